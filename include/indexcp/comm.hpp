@@ -1,0 +1,54 @@
+// indexcp: the Communicator interface through which ranks exchange candidates and FP8 rows
+// (spec/indexer.md section 5), and its in-process implementation (W ranks as W threads).
+#pragma once
+
+#include <cstddef>
+#include <functional>
+#include <memory>
+
+namespace indexcp {
+
+/// A group of `world()` ranks exchanging byte buffers. Collective calls must be made by every
+/// rank of the group in the same order with the same sizes. `stream` is a cudaStream_t for
+/// device communicators (nullptr on the CPU). Failures throw indexcp::Error (kRuntime), also
+/// when the group was aborted while a call waited.
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int world() const = 0;
+  /// send: `bytes`; recv: world * bytes; rank p's buffer lands at recv + p * bytes.
+  virtual void all_gather(const void* send, void* recv, std::size_t bytes, void* stream) = 0;
+  /// send: world * bytes, block p goes to rank p; recv: world * bytes, block p came from rank p.
+  virtual void all_to_all(const void* send, void* recv, std::size_t bytes, void* stream) = 0;
+  /// Bytes this rank has sent through the communicator so far (for the payload-size tests).
+  virtual std::size_t bytes_sent() const = 0;
+};
+
+/// W ranks in one process, one thread each, exchanging host buffers. Blocking synchronization
+/// (mutex + condition variable), no spinning. abort() wakes every waiting rank with an Error.
+class InProcessGroup {
+ public:
+  /// world in 1..64, else Error naming world.
+  explicit InProcessGroup(int world);
+  ~InProcessGroup();
+  InProcessGroup(const InProcessGroup&) = delete;
+  InProcessGroup& operator=(const InProcessGroup&) = delete;
+
+  int world() const;
+  /// The communicator of rank r (0 <= r < world).
+  Communicator& comm(int r);
+  /// Makes every pending and future collective throw Error("communicator aborted").
+  void abort();
+
+  struct State;
+
+ private:
+  std::unique_ptr<State> state_;
+};
+
+/// Runs fn(rank, comm) on `world` threads of a fresh InProcessGroup and waits for all. If any
+/// rank throws, the group is aborted (so no rank hangs) and the first exception is rethrown.
+void run_ranks(int world, const std::function<void(int rank, Communicator& comm)>& fn);
+
+}  // namespace indexcp

