@@ -104,6 +104,12 @@ inline std::vector<int32_t> brute_force(const IndexCache& cache, int32_t layer, 
                                         const std::vector<QueryRow>& rows, const std::vector<uint8_t>& q,
                                         int32_t heads, const SelectionParams& sel, KRounding mode) {
   std::vector<int32_t> out(rows.size() * heads * sel.topk, -1);
+  // k_hat of every slot of the cache, read one token at a time through the public reader
+  const int64_t nslots = cache.num_pages() * r.page_size;
+  std::vector<float> khat(static_cast<size_t>(nslots) * 128);
+  for (int64_t slot = 0; slot < nslots; ++slot)
+    read_row_khat(cache, layer, slot / r.page_size, static_cast<int32_t>(slot % r.page_size), mode,
+                  khat.data() + slot * 128);
   for (size_t i = 0; i < rows.size(); ++i) {
     if (rows[i].pos < 0) continue;
     const int64_t local = rows[i].pos / 128;
@@ -118,9 +124,7 @@ inline std::vector<int32_t> brute_force(const IndexCache& cache, int32_t layer, 
       for (int64_t b = sel.init_blocks; b < local; ++b) {
         float best = -INFINITY;
         for (int64_t p = b * 128; p < (b + 1) * 128; ++p) {
-          const int64_t slot = r.slot(rows[i].request, p);
-          float k[128];
-          read_row_khat(cache, layer, slot / r.page_size, static_cast<int32_t>(slot % r.page_size), mode, k);
+          const float* k = khat.data() + r.slot(rows[i].request, p) * 128;
           long double s = 0;
           for (int d = 0; d < 128; ++d)
             s += static_cast<long double>(e4m3_decode(q[(i * heads + h) * 128 + d])) * k[d];

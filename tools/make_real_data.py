@@ -53,7 +53,6 @@ Q_START = N_TOKENS - N_QUERY_POS
 
 # Windowing: [CLS] + 510 content tokens + [SEP] = 512 positions (the model maximum).
 WIN_CONTENT = 510
-WIN_STRIDE = 255
 CLS_ID, SEP_ID = 101, 102
 
 # Derivation of keys and queries.
@@ -218,48 +217,54 @@ def bert_forward(w, ids: np.ndarray, stop_layer: int | None = None):
     return x, qk
 
 
-def window_starts(n: int) -> list[int]:
-    """Content-window starts: 0, 255, 510, ... while the window ends before n; then n - 510."""
-    starts = []
-    s = 0
-    while s + WIN_CONTENT < n:
-        starts.append(s)
-        s += WIN_STRIDE
-    starts.append(n - WIN_CONTENT)
-    return starts
+def block_window_start(b: int, n: int) -> int:
+    """Content-window start for block b: the 510-token window that ends where block b ends
+    (clamped to [0, n - 510]; blocks 0..2 all use the window at 0)."""
+    return min(max(0, BLOCK * (b + 1) - WIN_CONTENT), n - WIN_CONTENT)
 
 
 def layer_qk_per_token(w, ids: np.ndarray, layer: int):
-    """Per-token Q and K of `layer`, heads KEY_HEADS: arrays [n, 4, 32] (float64).
+    """Raw (uncentered) Q and K of `layer`, heads KEY_HEADS, for every token of one request.
 
-    Windows [CLS] + ids[s:s+510] + [SEP] are visited left to right; each token takes its value
-    from the first window that contains it, i.e. window 0 gives tokens 0..509 and every later
-    window gives only the tokens after the previous window's end (its last 255, fewer for the
-    final end-aligned window). So every token t >= 255 has at least 255 tokens of left context.
+    Windows are [CLS] + ids[s:s+510] + [SEP] with s = block_window_start(b) for each 128-token
+    block b; the tokens of block b take their Q/K from block b's window (for b >= 3 the block
+    sits at content offsets 382..509, so each token has >= 382 tokens of left context and sees
+    only the rest of its own block to its right). Windows shared by several blocks run once.
+
+    Returns q, k [n, 4, 32] float64, offset [n] (content offset of each token in its window), and
+    the sums of q and k over all windows at each content offset (sum_q, sum_k [510, 4, 32]) with
+    the number of windows, for the positional centering.
     """
     n = len(ids)
-    starts = window_starts(n)
-    q_out = np.full((n, len(KEY_HEADS), HEAD_DIM), np.nan)
-    k_out = np.full((n, len(KEY_HEADS), HEAD_DIM), np.nan)
-    done = 0  # tokens [0, done) are assigned
+    assert n % BLOCK == 0 and n >= WIN_CONTENT
     heads = list(KEY_HEADS)
+    blocks_of: dict[int, list[int]] = {}
+    for b in range(n // BLOCK):
+        blocks_of.setdefault(block_window_start(b, n), []).append(b)
+    starts = sorted(blocks_of)
+    q_out = np.full((n, len(heads), HEAD_DIM), np.nan)
+    k_out = np.full((n, len(heads), HEAD_DIM), np.nan)
+    offset = np.full(n, -1, dtype=np.int64)
+    sum_q = np.zeros((WIN_CONTENT, len(heads), HEAD_DIM))
+    sum_k = np.zeros((WIN_CONTENT, len(heads), HEAD_DIM))
     for b0 in range(0, len(starts), BATCH_WINDOWS):
         bs = starts[b0:b0 + BATCH_WINDOWS]
         batch = np.stack([np.concatenate([[CLS_ID], ids[s:s + WIN_CONTENT], [SEP_ID]])
                           for s in bs])
         _, qk = bert_forward(w, batch, stop_layer=layer)
-        q, k = qk[layer]
+        # [B, 12, 512, 32] -> content positions, chosen heads: [B, 510, 4, 32]
+        q = qk[layer][0][:, heads, 1:1 + WIN_CONTENT].transpose(0, 2, 1, 3)
+        k = qk[layer][1][:, heads, 1:1 + WIN_CONTENT].transpose(0, 2, 1, 3)
         for i, s in enumerate(bs):
-            lo, hi = done, s + WIN_CONTENT
-            if hi <= lo:
-                continue
-            # content token j sits at window position 1 + (j - s)
-            sl = slice(1 + lo - s, 1 + hi - s)
-            q_out[lo:hi] = q[i][heads][:, sl].transpose(1, 0, 2)
-            k_out[lo:hi] = k[i][heads][:, sl].transpose(1, 0, 2)
-            done = hi
-    assert done == n and not np.isnan(q_out).any() and not np.isnan(k_out).any()
-    return q_out, k_out
+            sum_q += q[i]
+            sum_k += k[i]
+            for b in blocks_of[s]:
+                lo, hi = b * BLOCK, (b + 1) * BLOCK
+                q_out[lo:hi] = q[i, lo - s:hi - s]
+                k_out[lo:hi] = k[i, lo - s:hi - s]
+                offset[lo:hi] = np.arange(lo - s, hi - s)
+    assert not np.isnan(q_out).any() and not np.isnan(k_out).any() and (offset >= 0).all()
+    return q_out, k_out, offset, sum_q, sum_k, len(starts)
 
 
 def rms_normalize(x):
@@ -272,11 +277,16 @@ def mix_matrix() -> np.ndarray:
     return m
 
 
-def derive(q_tok, k_tok):
-    """q_tok, k_tok [n, 4, 32] -> keys [n, 128] f64, queries [256, 4, 128] f64."""
+def derive(q_tok, k_tok, offset, mu_q, mu_k):
+    """Raw per-token q_tok, k_tok [n, 4, 32] -> keys [n, 128], queries [256, 4, 128] (float64).
+
+    Both are first centered by the mean over all windows at the token's content offset (this
+    removes BERT's absolute-position component, which is ~half of the raw K variance and would
+    otherwise make keys at equal window offsets look alike), then RMS normalized.
+    """
     n = k_tok.shape[0]
-    keys = rms_normalize(k_tok.reshape(n, -1))
-    qq = q_tok[Q_START:]  # [256, 4, 32]
+    keys = rms_normalize((k_tok - mu_k[offset]).reshape(n, -1))
+    qq = (q_tok - mu_q[offset])[Q_START:]  # [256, 4, 32]
     m = mix_matrix()  # [h, j]
     mixed = m[None, :, :, None] * qq[:, None, :, :]  # [256, h, j, 32]
     queries = QUERY_SCALE * rms_normalize(mixed.reshape(len(qq), N_INDEX_HEADS, -1))
@@ -335,18 +345,21 @@ def main():
     tok = load_tokenizer(d)
     files = stdlib_files()
 
-    all_keys, all_queries, req_meta = [], [], []
+    raw, req_meta = [], []
+    sum_q = sum_k = 0.0
+    n_windows = 0
     for r in range(N_REQUESTS):
         ids, used = request_tokens(tok, files, r)
-        q_tok, k_tok = layer_qk_per_token(w, ids, LAYER)
-        keys, queries = derive(q_tok, k_tok)
-        all_keys.append(keys)
-        all_queries.append(queries)
+        q_tok, k_tok, offset, sq, sk, nw = layer_qk_per_token(w, ids, LAYER)
+        raw.append((q_tok, k_tok, offset))
+        sum_q, sum_k, n_windows = sum_q + sq, sum_k + sk, n_windows + nw
         req_meta.append({"request": r, "files": used,
                          "token_ids_sha256": hashlib.sha256(ids.astype("<i4").tobytes()).hexdigest()})
-        print(f"request {r}: {len(used)} files, {time.time() - t0:.1f}s", flush=True)
-    keys = np.stack(all_keys)
-    queries = np.stack(all_queries)
+        print(f"request {r}: {len(used)} files, {nw} windows, {time.time() - t0:.1f}s", flush=True)
+    mu_q, mu_k = sum_q / n_windows, sum_k / n_windows
+    derived = [derive(q_tok, k_tok, offset, mu_q, mu_k) for q_tok, k_tok, offset in raw]
+    keys = np.stack([d_[0] for d_ in derived])
+    queries = np.stack([d_[1] for d_ in derived])
 
     tmp = out + ".tmp" if not args.check else out + ".check.tmp"
     os.makedirs(tmp, exist_ok=True)
@@ -399,22 +412,29 @@ def main():
         "query_positions": [Q_START, N_TOKENS - 1],
         "windowing": {
             "positions_per_window": WIN_CONTENT + 2,
-            "layout": "[CLS] + 510 content tokens + [SEP]; position ids 0..511, token type 0, no padding",
+            "layout": "[CLS] + 510 content tokens + [SEP]; position ids 0..511, token type 0, "
+                      "no padding, full (bidirectional) attention inside the window",
             "content_window": WIN_CONTENT,
-            "stride": WIN_STRIDE,
-            "starts": "0, 255, 510, ... while start + 510 < 33024, then a final window at 33024 - 510 "
-                      "= 32514 (129 windows per request)",
-            "assignment": "windows visited left to right; each token takes its hidden state from the "
-                          "first window containing it: window 0 gives tokens 0..509, each later window "
-                          "its last 255 content tokens (the final window: tokens 32895..33023). Every "
-                          "token t >= 255 has >= 255 tokens of left context and <= 254 to its right",
+            "block_window": "the 128 tokens of block b (b = 0..257) take their Q/K from the window "
+                            "whose content starts at s_b = clamp(128*(b+1) - 510, 0, 33024 - 510), "
+                            "i.e. the window that ends where the block ends (blocks 0..2 share the "
+                            "window at 0); 256 distinct windows per request",
+            "context": "for b >= 3 the block sits at content offsets 382..509 of its window: every "
+                       "token there has >= 382 tokens of real left context and sees only the rest of "
+                       "its own block (<= 127 tokens) to its right",
         },
         "normalization": {
-            "keys": "k = concat(K_h for h in 0..3 of layer 3) (128 dims, after bias); "
-                    "key = k / sqrt(mean(k^2) + 1e-6)",
-            "queries": "for index head h: v_h = concat_j m[h][j] * Q_j (j = attention heads 0..3 of layer "
-                       "3, after bias), m[h][j] = 1 if j == h else 0.25; "
+            "centering": "mu_K[o], mu_Q[o] = mean of the raw (after-bias) layer-3 K / Q of heads 0..3 at "
+                         "content offset o (0..509) over all 1024 windows of the 4 requests; each "
+                         "token subtracts the mean of its own offset (removes the absolute-position "
+                         "component)",
+            "keys": "k = concat_j (K_j - mu_K_j[o]) over attention heads j = 0..3 of layer 3 (128 "
+                    "dims); key = k / sqrt(mean(k^2) + 1e-6)",
+            "queries": "for index head h = 0..3: v_h = concat_j m[h][j] * (Q_j - mu_Q_j[o]) over the "
+                       "same attention heads j = 0..3 of layer 3, m[h][j] = 1 if j == h else 0.25; "
                        "query = 2 * v_h / sqrt(mean(v_h^2) + 1e-6)",
+            "meaning": "before normalization, query_h . key = sqrt(32) * (centered attention logit "
+                       "of head h) + 0.25 * sqrt(32) * (sum of the other three heads' logits)",
             "dtype": "computed in float64, rounded once to float16 (round to nearest even)",
         },
         "shapes": {"keys.npy": [N_REQUESTS, N_TOKENS, BLOCK],

@@ -28,7 +28,14 @@ class Error : public std::runtime_error {
   ErrorCode code_;
 };
 
-/// Throws Error(kInvalidArgument, msg) unless cond holds.
+/// Throws Error(kInvalidArgument, msg) unless cond holds. The message expression is evaluated
+/// only on failure, so checks inside loops cost a comparison, not a string.
+#define INDEXCP_REQUIRE(cond, msg)                                                    \
+  do {                                                                                \
+    if (!(cond)) throw ::indexcp::Error(::indexcp::ErrorCode::kInvalidArgument, (msg)); \
+  } while (0)
+
+/// Function form of INDEXCP_REQUIRE for cold paths (builds `msg` before the check).
 inline void require(bool cond, const std::string& msg) {
   if (!cond) throw Error(ErrorCode::kInvalidArgument, msg);
 }

@@ -1,8 +1,10 @@
 // In-process communicator: W ranks as W threads of one process (host buffers).
+#include <algorithm>
 #include <condition_variable>
 #include <cstring>
 #include <exception>
 #include <mutex>
+#include <omp.h>
 #include <thread>
 #include <vector>
 
@@ -87,7 +89,7 @@ class InProcessComm final : public Communicator {
 }  // namespace
 
 InProcessGroup::InProcessGroup(int world) : state_(std::make_unique<State>()) {
-  require(world >= 1 && world <= 64, "world = " + std::to_string(world) + " must be in 1..64");
+  INDEXCP_REQUIRE(world >= 1 && world <= 64, "world = " + std::to_string(world) + " must be in 1..64");
   state_->world = world;
   state_->slots.assign(static_cast<size_t>(world), nullptr);
   for (int r = 0; r < world; ++r) state_->comms.push_back(std::make_unique<InProcessComm>(state_.get(), r));
@@ -98,7 +100,7 @@ InProcessGroup::~InProcessGroup() = default;
 int InProcessGroup::world() const { return state_->world; }
 
 Communicator& InProcessGroup::comm(int r) {
-  require(r >= 0 && r < state_->world, "rank = " + std::to_string(r) + " is out of range");
+  INDEXCP_REQUIRE(r >= 0 && r < state_->world, "rank = " + std::to_string(r) + " is out of range");
   return *state_->comms[static_cast<size_t>(r)];
 }
 
@@ -113,8 +115,12 @@ void run_ranks(int world, const std::function<void(int, Communicator&)>& fn) {
   std::vector<std::exception_ptr> errors(static_cast<size_t>(world));
   std::vector<std::thread> threads;
   threads.reserve(static_cast<size_t>(world));
+  // Share the cores among the ranks: each rank's parallel regions get cores / world threads, so
+  // W ranks never oversubscribe the machine (OpenMP threads spin at barriers).
+  const int per_rank = std::max(1, omp_get_max_threads() / world);
   for (int r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
+      omp_set_num_threads(per_rank);
       try {
         fn(r, group.comm(r));
       } catch (...) {

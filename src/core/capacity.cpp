@@ -80,7 +80,7 @@ int64_t kv_bytes_per_head_token(KvDtype dtype, int32_t d) {
 
 CapacityReport plan_capacity(const ModelDesc& m, int64_t budget, KvDtype kv_dtype, KvDtype index_dtype,
                              int32_t tp, int32_t page_size) {
-  require(budget > 0, "budget = " + std::to_string(budget) + " bytes must be > 0");
+  INDEXCP_REQUIRE(budget > 0, "budget = " + std::to_string(budget) + " bytes must be > 0");
   if (tp != 1 && tp != 2 && tp != 4 && tp != 8)
     throw Error(ErrorCode::kUnsupported, "tp = " + std::to_string(tp) + " is not supported; use 1, 2, 4 or 8");
   if (page_size != 128 && page_size != 256)

@@ -14,10 +14,10 @@ IndexCache::IndexCache(const PageLayout& layout, int64_t num_pages, int32_t num_
     : layout_(layout), num_pages_(num_pages), num_layers_(num_layers), rank_(rank) {
   // re-validate the layout (a hand-built PageLayout must obey the same rules)
   layout_ = make_page_layout(layout.dtype, layout.page_size, layout.shards, layout.page_stride);
-  require(num_pages >= 1, "num_pages = " + std::to_string(num_pages) + " must be >= 1");
-  require(num_layers >= 1 && num_layers <= 4096,
+  INDEXCP_REQUIRE(num_pages >= 1, "num_pages = " + std::to_string(num_pages) + " must be >= 1");
+  INDEXCP_REQUIRE(num_layers >= 1 && num_layers <= 4096,
           "num_layers = " + std::to_string(num_layers) + " must be in 1..4096");
-  require(rank >= 0 && rank < layout_.shards,
+  INDEXCP_REQUIRE(rank >= 0 && rank < layout_.shards,
           "rank = " + std::to_string(rank) + " must be in [0, shards = " +
               std::to_string(layout_.shards) + ")");
   const long double total = static_cast<long double>(num_pages) * layout_.page_stride * num_layers;
@@ -96,18 +96,18 @@ static void write_row(IndexCache& c, int32_t layer, int64_t page, int32_t row, c
 
 static void insert_impl(IndexCache& cache, int32_t layer, const float* keys,
                         const int64_t* slot_mapping, int64_t num_tokens, const InsertOptions& opts) {
-  require(layer >= 0 && layer < cache.num_layers(),
+  INDEXCP_REQUIRE(layer >= 0 && layer < cache.num_layers(),
           "layer = " + std::to_string(layer) + " is outside [0, " +
               std::to_string(cache.num_layers()) + ")");
-  require(num_tokens >= 0, "num_tokens = " + std::to_string(num_tokens) + " must be >= 0");
+  INDEXCP_REQUIRE(num_tokens >= 0, "num_tokens = " + std::to_string(num_tokens) + " must be >= 0");
   if (num_tokens == 0) return;
-  require(keys != nullptr, "keys is null");
-  require(slot_mapping != nullptr, "slot_mapping is null");
+  INDEXCP_REQUIRE(keys != nullptr, "keys is null");
+  INDEXCP_REQUIRE(slot_mapping != nullptr, "slot_mapping is null");
   if (cache.layout().dtype == KvDtype::kNvfp4)
-    require(fmt::is_finite(opts.encode_scale) && opts.encode_scale > 0.0f,
+    INDEXCP_REQUIRE(fmt::is_finite(opts.encode_scale) && opts.encode_scale > 0.0f,
             "encode_scale = " + std::to_string(opts.encode_scale) +
                 " is invalid: the NVFP4 encode scale S must be finite and > 0");
-  require(!opts.pre.rope || opts.pre.positions != nullptr, "rope is on but positions is null");
+  INDEXCP_REQUIRE(!opts.pre.rope || opts.pre.positions != nullptr, "rope is on but positions is null");
   const PageLayout& l = cache.layout();
   const int64_t num_slots = cache.num_pages() * l.page_size;
   // phase 1: validate everything and quantize into a staging buffer
@@ -120,21 +120,21 @@ static void insert_impl(IndexCache& cache, int32_t layer, const float* keys,
   for (int64_t t = 0; t < num_tokens; ++t) {
     const int64_t s = slot_mapping[t];
     if (s == -1) continue;
-    require(s >= 0 && s < num_slots, "slot_mapping[" + std::to_string(t) + "] = " +
+    INDEXCP_REQUIRE(s >= 0 && s < num_slots, "slot_mapping[" + std::to_string(t) + "] = " +
                                          std::to_string(s) + " is outside [-1, " +
                                          std::to_string(num_slots) + ") (num_pages x page_size)");
-    require(seen.insert(s).second, "slot_mapping[" + std::to_string(t) + "] = " +
+    INDEXCP_REQUIRE(seen.insert(s).second, "slot_mapping[" + std::to_string(t) + "] = " +
                                        std::to_string(s) + " repeats a slot of the same batch");
     const float* k = keys + t * kHeadDim;
     for (int d = 0; d < kHeadDim; ++d)
-      require(fmt::is_finite(k[d]), "key of token " + std::to_string(t) + " holds a non-finite value (" +
+      INDEXCP_REQUIRE(fmt::is_finite(k[d]), "key of token " + std::to_string(t) + " holds a non-finite value (" +
                                         std::to_string(k[d]) + " at dim " + std::to_string(d) + ")");
     const bool has_pre = opts.pre.norm_weight != nullptr || opts.pre.rope;
     if (has_pre) {
       preprocess_vector(k, opts.pre.norm_weight, opts.pre.eps, opts.pre.rope, opts.pre.rope_theta,
                         opts.pre.rope ? opts.pre.positions[t] : 0, pre);
       for (int d = 0; d < kHeadDim; ++d)
-        require(fmt::is_finite(pre[d]), "key of token " + std::to_string(t) +
+        INDEXCP_REQUIRE(fmt::is_finite(pre[d]), "key of token " + std::to_string(t) +
                                             " is non-finite after RMSNorm/RoPE (dim " +
                                             std::to_string(d) + ")");
       k = pre;
@@ -159,17 +159,17 @@ void insert_keys(IndexCache& cache, int32_t layer, const float* keys, const int6
 
 void insert_keys_bf16(IndexCache& cache, int32_t layer, const uint16_t* keys,
                       const int64_t* slot_mapping, int64_t num_tokens, const InsertOptions& opts) {
-  require(num_tokens >= 0, "num_tokens = " + std::to_string(num_tokens) + " must be >= 0");
-  require(num_tokens == 0 || keys != nullptr, "keys is null");
+  INDEXCP_REQUIRE(num_tokens >= 0, "num_tokens = " + std::to_string(num_tokens) + " must be >= 0");
+  INDEXCP_REQUIRE(num_tokens == 0 || keys != nullptr, "keys is null");
   std::vector<float> f(static_cast<size_t>(num_tokens) * kHeadDim);
   for (size_t i = 0; i < f.size(); ++i) f[i] = bf16_decode(keys[i]);
   insert_impl(cache, layer, f.data(), slot_mapping, num_tokens, opts);
 }
 
 static void check_row(const IndexCache& c, int32_t layer, int64_t page, int32_t row) {
-  require(layer >= 0 && layer < c.num_layers(), "layer = " + std::to_string(layer) + " is out of range");
-  require(page >= 0 && page < c.num_pages(), "page = " + std::to_string(page) + " is out of range");
-  require(row >= 0 && row < c.layout().rows(), "row = " + std::to_string(row) + " is out of range");
+  INDEXCP_REQUIRE(layer >= 0 && layer < c.num_layers(), "layer = " + std::to_string(layer) + " is out of range");
+  INDEXCP_REQUIRE(page >= 0 && page < c.num_pages(), "page = " + std::to_string(page) + " is out of range");
+  INDEXCP_REQUIRE(row >= 0 && row < c.layout().rows(), "row = " + std::to_string(row) + " is out of range");
 }
 
 std::vector<uint8_t> read_row_bytes(const IndexCache& c, int32_t layer, int64_t page, int32_t row) {
@@ -209,14 +209,14 @@ void read_row_khat(const IndexCache& c, int32_t layer, int64_t page, int32_t row
 
 void quantize_queries(const float* q, int64_t num_tokens, int32_t heads, const KeyPreprocess& pre,
                       uint8_t* out) {
-  require(heads >= 1 && heads <= 64, "heads = " + std::to_string(heads) + " is out of range 1..64");
-  require(num_tokens >= 0, "num_tokens must be >= 0");
-  require(num_tokens == 0 || (q != nullptr && out != nullptr), "q or out is null");
-  require(!pre.rope || pre.positions != nullptr, "rope is on but positions is null");
+  INDEXCP_REQUIRE(heads >= 1 && heads <= 64, "heads = " + std::to_string(heads) + " is out of range 1..64");
+  INDEXCP_REQUIRE(num_tokens >= 0, "num_tokens must be >= 0");
+  INDEXCP_REQUIRE(num_tokens == 0 || (q != nullptr && out != nullptr), "q or out is null");
+  INDEXCP_REQUIRE(!pre.rope || pre.positions != nullptr, "rope is on but positions is null");
   const int64_t n = num_tokens * heads;
   for (int64_t i = 0; i < n; ++i)
     for (int d = 0; d < kHeadDim; ++d)
-      require(!fmt::is_nan(q[i * kHeadDim + d]),
+      INDEXCP_REQUIRE(!fmt::is_nan(q[i * kHeadDim + d]),
               "q holds NaN at token " + std::to_string(i / heads) + ", head " +
                   std::to_string(i % heads) + ", dim " + std::to_string(d));
   float v[kHeadDim];

@@ -12,8 +12,8 @@ namespace indexcp {
 void publish_candidates(const BlockScores& scores, const std::vector<QueryRow>& rows,
                         const SelectionParams& sel, Candidate* out) {
   sel.validate();
-  require(static_cast<int64_t>(rows.size()) == scores.rows, "rows and scores disagree in size");
-  require(rows.empty() || out != nullptr, "out is null");
+  INDEXCP_REQUIRE(static_cast<int64_t>(rows.size()) == scores.rows, "rows and scores disagree in size");
+  INDEXCP_REQUIRE(rows.empty() || out != nullptr, "out is null");
   cpu::publish(scores, rows, sel, out);
 }
 
@@ -21,12 +21,12 @@ void merge_candidates(const Candidate* cands, int32_t world, const std::vector<Q
                       int32_t heads, int32_t h0, int32_t nh, const SelectionParams& sel,
                       int32_t* out) {
   sel.validate();
-  require(world >= 1, "world = " + std::to_string(world) + " must be >= 1");
-  require(h0 >= 0 && nh >= 1 && h0 + nh <= heads, "head range [" + std::to_string(h0) + ", " +
+  INDEXCP_REQUIRE(world >= 1, "world = " + std::to_string(world) + " must be >= 1");
+  INDEXCP_REQUIRE(h0 >= 0 && nh >= 1 && h0 + nh <= heads, "head range [" + std::to_string(h0) + ", " +
                                                        std::to_string(h0 + nh) +
                                                        ") is outside the " +
                                                        std::to_string(heads) + " heads");
-  require(rows.empty() || (cands != nullptr && out != nullptr), "cands or out is null");
+  INDEXCP_REQUIRE(rows.empty() || (cands != nullptr && out != nullptr), "cands or out is null");
   cpu::merge(cands, world, rows, heads, h0, nh, sel, out);
 }
 
@@ -34,14 +34,14 @@ namespace {
 
 void check_group(const Communicator& comm, const IndexCache& cache, bool sharded) {
   if (sharded) {
-    require(cache.layout().shards == comm.world(),
+    INDEXCP_REQUIRE(cache.layout().shards == comm.world(),
             "shard has shards = " + std::to_string(cache.layout().shards) +
                 " but the communicator has world = " + std::to_string(comm.world()));
-    require(cache.rank() == comm.rank(), "shard is rank " + std::to_string(cache.rank()) +
+    INDEXCP_REQUIRE(cache.rank() == comm.rank(), "shard is rank " + std::to_string(cache.rank()) +
                                              "'s but the communicator is rank " +
                                              std::to_string(comm.rank()) + "'s");
   } else {
-    require(cache.layout().shards == 1, "cache is sharded (shards = " +
+    INDEXCP_REQUIRE(cache.layout().shards == 1, "cache is sharded (shards = " +
                                             std::to_string(cache.layout().shards) +
                                             "); decode CP needs a replicated cache");
   }
@@ -53,7 +53,7 @@ void icp_select(Communicator& comm, const IndexCache& cache, int32_t layer,
                 const uint8_t* q, int32_t heads, const SelectionParams& sel, KRounding mode,
                 BlockFilter filter, int32_t* out) {
   check_heads_tp(heads, comm.world());
-  require(rows.empty() || out != nullptr, "out is null");
+  INDEXCP_REQUIRE(rows.empty() || out != nullptr, "out is null");
   const auto scores =
       score_blocks(cache, layer, rows, block_table, max_pages, q, heads, 0, heads, mode, filter);
   const size_t per_rank = rows.size() * static_cast<size_t>(heads) * sel.ranked();
@@ -99,12 +99,12 @@ void prefill_local_score(Communicator& comm, const IndexCache& shard, int32_t la
 void stage_fp8(const IndexCache& shard, int32_t layer, const int32_t* pages, int64_t num_pages,
                uint8_t* out) {
   const PageLayout& l = shard.layout();
-  require(l.dtype != KvDtype::kBf16, "shard is a bf16 cache; FP8 staging needs fp8 or nvfp4");
-  require(layer >= 0 && layer < shard.num_layers(), "layer = " + std::to_string(layer) + " is out of range");
-  require(num_pages >= 0, "num_pages = " + std::to_string(num_pages) + " must be >= 0");
-  require(num_pages == 0 || (pages != nullptr && out != nullptr), "pages or out is null");
+  INDEXCP_REQUIRE(l.dtype != KvDtype::kBf16, "shard is a bf16 cache; FP8 staging needs fp8 or nvfp4");
+  INDEXCP_REQUIRE(layer >= 0 && layer < shard.num_layers(), "layer = " + std::to_string(layer) + " is out of range");
+  INDEXCP_REQUIRE(num_pages >= 0, "num_pages = " + std::to_string(num_pages) + " must be >= 0");
+  INDEXCP_REQUIRE(num_pages == 0 || (pages != nullptr && out != nullptr), "pages or out is null");
   for (int64_t i = 0; i < num_pages; ++i)
-    require(pages[i] >= 0 && pages[i] < shard.num_pages(),
+    INDEXCP_REQUIRE(pages[i] >= 0 && pages[i] < shard.num_pages(),
             "pages[" + std::to_string(i) + "] = " + std::to_string(pages[i]) +
                 " is outside [0, num_pages = " + std::to_string(shard.num_pages()) + ")");
   const int32_t R = l.rows();
@@ -131,12 +131,12 @@ GatherStats prefill_gather(Communicator& comm, const IndexCache& shard, int32_t 
   sel.validate();
   check_group(comm, shard, true);
   const PageLayout& l = shard.layout();
-  require(l.dtype != KvDtype::kBf16, "shard is a bf16 cache; the gather needs fp8 or nvfp4");
+  INDEXCP_REQUIRE(l.dtype != KvDtype::kBf16, "shard is a bf16 cache; the gather needs fp8 or nvfp4");
   const auto rows = prefill_rows(batch, shard.num_pages(), l.page_size);
   check_heads_tp(batch.heads, comm.world());
-  require(rows.empty() || out != nullptr, "out is null");
+  INDEXCP_REQUIRE(rows.empty() || out != nullptr, "out is null");
   const int64_t unit = gather_unit_bytes(l);
-  require(budget_bytes >= unit,
+  INDEXCP_REQUIRE(budget_bytes >= unit,
           "indexer_prefill_gather_budget_mib gives " + std::to_string(budget_bytes) +
               " bytes, below one page of one request (" + std::to_string(unit) + " bytes)");
   const int32_t W = comm.world(), R = l.rows(), P = l.page_size;
@@ -193,6 +193,7 @@ GatherStats prefill_gather(Communicator& comm, const IndexCache& shard, int32_t 
           items.push_back({run_of[u.request].first, run_of[u.request].second, u.request, bid});
       }
     }
+    const double* e4m3 = cpu::e4m3_table();
     auto source = [&](int32_t request, int64_t bid, double* kbuf) -> int {
       const int64_t lp = bid * kBlockTokens / P;
       const int64_t k = first_unit[request] + lp - c0;  // unit index within this chunk
@@ -201,7 +202,7 @@ GatherStats prefill_gather(Communicator& comm, const IndexCache& shard, int32_t 
         const int32_t uoff = u0 + t;
         const int32_t src = l.owner_of_offset(uoff), row = l.local_row_of_offset(uoff);
         const uint8_t* key = gathered.data() + ((static_cast<int64_t>(src) * n + k) * R + row) * kHeadDim;
-        for (int d = 0; d < kHeadDim; ++d) kbuf[t * kHeadDim + d] = e4m3_decode(key[d]);
+        for (int d = 0; d < kHeadDim; ++d) kbuf[t * kHeadDim + d] = e4m3[key[d]];
       }
       return kBlockTokens;
     };

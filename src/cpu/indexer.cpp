@@ -12,36 +12,36 @@
 namespace indexcp {
 
 void SelectionParams::validate() const {
-  require(topk >= 2 && topk <= 1024, "topk = " + std::to_string(topk) + " must be in 2..1024");
-  require(local_blocks == 1, "local_blocks = " + std::to_string(local_blocks) +
+  INDEXCP_REQUIRE(topk >= 2 && topk <= 1024, "topk = " + std::to_string(topk) + " must be in 2..1024");
+  INDEXCP_REQUIRE(local_blocks == 1, "local_blocks = " + std::to_string(local_blocks) +
                                  " is not supported; the local block is always forced (1)");
-  require(init_blocks >= 0 && init_blocks <= topk - 2,
+  INDEXCP_REQUIRE(init_blocks >= 0 && init_blocks <= topk - 2,
           "init_blocks = " + std::to_string(init_blocks) + " must be in 0..topk-2 (" +
               std::to_string(topk - 2) + ")");
 }
 
 static void check_common(const uint8_t* q, int32_t heads, const int32_t* block_table,
                          int32_t num_requests, int32_t max_pages, const int32_t* seq_lens) {
-  require(heads >= 1 && heads <= 64, "heads = " + std::to_string(heads) + " is out of range 1..64");
-  require(num_requests >= 0, "num_requests = " + std::to_string(num_requests) + " must be >= 0");
-  require(max_pages >= 0, "max_pages = " + std::to_string(max_pages) + " must be >= 0");
+  INDEXCP_REQUIRE(heads >= 1 && heads <= 64, "heads = " + std::to_string(heads) + " is out of range 1..64");
+  INDEXCP_REQUIRE(num_requests >= 0, "num_requests = " + std::to_string(num_requests) + " must be >= 0");
+  INDEXCP_REQUIRE(max_pages >= 0, "max_pages = " + std::to_string(max_pages) + " must be >= 0");
   if (num_requests > 0) {
-    require(seq_lens != nullptr, "seq_lens is null");
-    require(q != nullptr, "q is null");
-    require(max_pages == 0 || block_table != nullptr, "block_table is null");
+    INDEXCP_REQUIRE(seq_lens != nullptr, "seq_lens is null");
+    INDEXCP_REQUIRE(q != nullptr, "q is null");
+    INDEXCP_REQUIRE(max_pages == 0 || block_table != nullptr, "block_table is null");
   }
 }
 
 static void check_request_pages(int32_t b, int32_t seq_len, const int32_t* block_table,
                                 int32_t max_pages, int64_t num_pages, int32_t page_size) {
   const int64_t need = (static_cast<int64_t>(seq_len) + page_size - 1) / page_size;
-  require(need <= max_pages, "seq_lens[" + std::to_string(b) + "] = " + std::to_string(seq_len) +
+  INDEXCP_REQUIRE(need <= max_pages, "seq_lens[" + std::to_string(b) + "] = " + std::to_string(seq_len) +
                                  " needs " + std::to_string(need) +
                                  " pages but the block table has max_pages = " +
                                  std::to_string(max_pages));
   for (int64_t i = 0; i < need; ++i) {
     const int32_t p = block_table[static_cast<int64_t>(b) * max_pages + i];
-    require(p >= 0 && p < num_pages, "block_table[" + std::to_string(b) + "][" +
+    INDEXCP_REQUIRE(p >= 0 && p < num_pages, "block_table[" + std::to_string(b) + "][" +
                                          std::to_string(i) + "] = " + std::to_string(p) +
                                          " is outside [0, num_pages = " +
                                          std::to_string(num_pages) + ")");
@@ -52,21 +52,21 @@ static void check_q_rows(const uint8_t* q, int64_t row0, int64_t nrows, int32_t 
   for (int64_t r = row0; r < row0 + nrows; ++r)
     for (int32_t h = 0; h < heads; ++h)
       for (int d = 0; d < kHeadDim; ++d)
-        require(!e4m3_is_nan(q[(r * heads + h) * kHeadDim + d]),
+        INDEXCP_REQUIRE(!e4m3_is_nan(q[(r * heads + h) * kHeadDim + d]),
                 "q holds a NaN byte at row " + std::to_string(r) + ", head " + std::to_string(h) +
                     ", dim " + std::to_string(d));
 }
 
 std::vector<QueryRow> decode_rows(const DecodeBatch& b, int64_t num_pages, int32_t page_size) {
   check_common(b.q, b.heads, b.block_table, b.num_requests, b.max_pages, b.seq_lens);
-  require(b.query_len >= 1 && b.query_len <= 16,
+  INDEXCP_REQUIRE(b.query_len >= 1 && b.query_len <= 16,
           "query_len = " + std::to_string(b.query_len) + " is out of range 1..16");
   std::vector<QueryRow> rows;
   rows.reserve(static_cast<size_t>(b.rows()));
   for (int32_t r = 0; r < b.num_requests; ++r) {
     const int32_t s = b.seq_lens[r];
-    require(s >= 0, "seq_lens[" + std::to_string(r) + "] = " + std::to_string(s) + " is negative");
-    require(s == 0 || s >= b.query_len,
+    INDEXCP_REQUIRE(s >= 0, "seq_lens[" + std::to_string(r) + "] = " + std::to_string(s) + " is negative");
+    INDEXCP_REQUIRE(s == 0 || s >= b.query_len,
             "seq_lens[" + std::to_string(r) + "] = " + std::to_string(s) +
                 " is shorter than query_len = " + std::to_string(b.query_len) +
                 " (0 marks a padded request)");
@@ -82,17 +82,17 @@ std::vector<QueryRow> decode_rows(const DecodeBatch& b, int64_t num_pages, int32
 
 std::vector<QueryRow> prefill_rows(const PrefillBatch& b, int64_t num_pages, int32_t page_size) {
   check_common(b.q, b.heads, b.block_table, b.num_requests, b.max_pages, b.seq_lens);
-  require(b.query_start != nullptr, "query_start is null");
-  require(b.query_start[0] == 0, "query_start[0] = " + std::to_string(b.query_start[0]) + " must be 0");
+  INDEXCP_REQUIRE(b.query_start != nullptr, "query_start is null");
+  INDEXCP_REQUIRE(b.query_start[0] == 0, "query_start[0] = " + std::to_string(b.query_start[0]) + " must be 0");
   std::vector<QueryRow> rows;
   for (int32_t r = 0; r < b.num_requests; ++r) {
     const int32_t t = b.query_start[r + 1] - b.query_start[r];
     const int32_t s = b.seq_lens[r];
-    require(t >= 0, "query_start[" + std::to_string(r + 1) + "] = " +
+    INDEXCP_REQUIRE(t >= 0, "query_start[" + std::to_string(r + 1) + "] = " +
                         std::to_string(b.query_start[r + 1]) + " is below query_start[" +
                         std::to_string(r) + "] (must be non-decreasing)");
-    require(s >= 0, "seq_lens[" + std::to_string(r) + "] = " + std::to_string(s) + " is negative");
-    require(t <= s, "request " + std::to_string(r) + " has a chunk of " + std::to_string(t) +
+    INDEXCP_REQUIRE(s >= 0, "seq_lens[" + std::to_string(r) + "] = " + std::to_string(s) + " is negative");
+    INDEXCP_REQUIRE(t <= s, "request " + std::to_string(r) + " has a chunk of " + std::to_string(t) +
                         " tokens (query_start) longer than seq_lens[" + std::to_string(r) +
                         "] = " + std::to_string(s));
     if (t > 0) {
@@ -107,13 +107,13 @@ std::vector<QueryRow> prefill_rows(const PrefillBatch& b, int64_t num_pages, int
 BlockScores score_blocks(const IndexCache& cache, int32_t layer, const std::vector<QueryRow>& rows,
                          const int32_t* block_table, int32_t max_pages, const uint8_t* q,
                          int32_t heads, int32_t h0, int32_t nh, KRounding mode, BlockFilter filter) {
-  require(layer >= 0 && layer < cache.num_layers(),
+  INDEXCP_REQUIRE(layer >= 0 && layer < cache.num_layers(),
           "layer = " + std::to_string(layer) + " is outside [0, " +
               std::to_string(cache.num_layers()) + ")");
-  require(h0 >= 0 && nh >= 1 && h0 + nh <= heads,
+  INDEXCP_REQUIRE(h0 >= 0 && nh >= 1 && h0 + nh <= heads,
           "head range [" + std::to_string(h0) + ", " + std::to_string(h0 + nh) +
               ") is outside the batch's " + std::to_string(heads) + " heads");
-  require(filter.modulus >= 1 && filter.residue >= 0 && filter.residue < filter.modulus,
+  INDEXCP_REQUIRE(filter.modulus >= 1 && filter.residue >= 0 && filter.residue < filter.modulus,
           "block filter " + std::to_string(filter.residue) + " mod " +
               std::to_string(filter.modulus) + " is invalid");
   return cpu::score_blocks(cache, layer, rows, block_table, max_pages, q, heads, h0, nh, mode,
@@ -123,18 +123,18 @@ BlockScores score_blocks(const IndexCache& cache, int32_t layer, const std::vect
 void select_topk(const BlockScores& s, const std::vector<QueryRow>& rows, const SelectionParams& sel,
                  int32_t* out) {
   sel.validate();
-  require(static_cast<int64_t>(rows.size()) == s.rows, "rows and scores disagree in size");
+  INDEXCP_REQUIRE(static_cast<int64_t>(rows.size()) == s.rows, "rows and scores disagree in size");
   cpu::select_topk(s, rows, sel, out);
 }
 
 void decode_select(const IndexCache& cache, int32_t layer, const DecodeBatch& batch, int32_t h0,
                    int32_t nh, const SelectionParams& sel, KRounding mode, int32_t* out) {
   sel.validate();
-  require(cache.layout().shards == 1,
+  INDEXCP_REQUIRE(cache.layout().shards == 1,
           "cache is sharded (shards = " + std::to_string(cache.layout().shards) +
               "); decode_select needs a replicated cache, use icp_decode");
   const auto rows = decode_rows(batch, cache.num_pages(), cache.layout().page_size);
-  require(rows.empty() || out != nullptr, "out is null");
+  INDEXCP_REQUIRE(rows.empty() || out != nullptr, "out is null");
   const auto s = score_blocks(cache, layer, rows, batch.block_table, batch.max_pages, batch.q,
                               batch.heads, h0, nh, mode);
   cpu::select_topk(s, rows, sel, out);
@@ -143,11 +143,11 @@ void decode_select(const IndexCache& cache, int32_t layer, const DecodeBatch& ba
 void prefill_select(const IndexCache& cache, int32_t layer, const PrefillBatch& batch, int32_t h0,
                     int32_t nh, const SelectionParams& sel, int32_t* out) {
   sel.validate();
-  require(cache.layout().shards == 1,
+  INDEXCP_REQUIRE(cache.layout().shards == 1,
           "cache is sharded (shards = " + std::to_string(cache.layout().shards) +
               "); prefill_select needs a replicated cache, use prefill_gather");
   const auto rows = prefill_rows(batch, cache.num_pages(), cache.layout().page_size);
-  require(rows.empty() || out != nullptr, "out is null");
+  INDEXCP_REQUIRE(rows.empty() || out != nullptr, "out is null");
   // prefill always scores E4M3-rounded NVFP4 keys (indexer.md section 2)
   const auto s = score_blocks(cache, layer, rows, batch.block_table, batch.max_pages, batch.q,
                               batch.heads, h0, nh, KRounding::kE4m3);

@@ -99,21 +99,64 @@ void score_items(const std::vector<WorkItem>& items, const std::vector<QueryRow>
   }
 }
 
+namespace {
+// k_hat of every (scale byte, E2M1 code) pair for both rounding modes: [mode][scale][code], the
+// values nvfp4_khat returns (a table lookup instead of the per-element E4M3 re-rounding).
+struct KhatTable {
+  double v[2][256][16];
+  KhatTable() {
+    for (int m = 0; m < 2; ++m)
+      for (int s = 0; s < 256; ++s)
+        for (int c = 0; c < 16; ++c)
+          v[m][s][c] = nvfp4_khat(static_cast<uint8_t>(c), static_cast<uint8_t>(s), static_cast<KRounding>(m));
+  }
+};
+const KhatTable& khat_table() {
+  static const KhatTable t;
+  return t;
+}
+}  // namespace
+
+const double* e4m3_table() {
+  static const struct T {
+    double v[256];
+    T() {
+      for (int b = 0; b < 256; ++b) v[b] = e4m3_decode(static_cast<uint8_t>(b));
+    }
+  } t;
+  return t.v;
+}
+
 // k_hat of local rows [first, first+count) of a page into kbuf (fp64).
 static void page_rows_khat(const IndexCache& c, int32_t layer, int64_t page, int32_t first,
                            int32_t count, KRounding mode, double* kbuf) {
   const PageLayout& l = c.layout();
   const uint8_t* p = c.page_ptr(layer, page);
+  const KhatTable& kt = khat_table();
   float tmp[kHeadDim];
   for (int32_t i = 0; i < count; ++i) {
     const int32_t row = first + i;
     switch (l.dtype) {
-      case KvDtype::kNvfp4:
-        nvfp4_dequantize_key(p + l.row_data_offset(row), p + l.row_scale_offset(row), mode, tmp);
-        break;
-      case KvDtype::kFp8:
-        for (int d = 0; d < kHeadDim; ++d) tmp[d] = e4m3_decode(p[l.row_data_offset(row) + d]);
-        break;
+      case KvDtype::kNvfp4: {
+        const uint8_t* data = p + l.row_data_offset(row);
+        const uint8_t* sc = p + l.row_scale_offset(row);
+        double* o = kbuf + i * kHeadDim;
+        for (int g = 0; g < kNvfp4ScalesPerKey; ++g) {
+          const double* t = kt.v[static_cast<int>(mode)][sc[g]];
+          for (int j = 0; j < kNvfp4Group / 2; ++j) {
+            const uint8_t byte = data[g * 8 + j];
+            o[g * 16 + 2 * j] = t[byte & 0xf];
+            o[g * 16 + 2 * j + 1] = t[byte >> 4];
+          }
+        }
+        continue;
+      }
+      case KvDtype::kFp8: {
+        const double* t = e4m3_table();
+        const uint8_t* k = p + l.row_data_offset(row);
+        for (int d = 0; d < kHeadDim; ++d) kbuf[i * kHeadDim + d] = t[k[d]];
+        continue;
+      }
       case KvDtype::kBf16:
         for (int d = 0; d < kHeadDim; ++d) {
           const uint8_t* b = p + l.row_data_offset(row) + 2 * d;

@@ -33,6 +33,9 @@ std::vector<double> decode_q(const uint8_t* q, int64_t rows, int32_t heads, int3
 void score_items(const std::vector<WorkItem>& items, const std::vector<QueryRow>& rows,
                  const std::vector<double>& qd, const BlockSource& source, BlockScores& out);
 
+/// e4m3_decode of every byte, as fp64 (the FP8 key and staged-row decoder of the scorers).
+const double* e4m3_table();
+
 /// The exact dot product of indexer.md section 3 as this backend computes it (docs/decisions.md).
 float dot128(const double* q, const double* k);
 

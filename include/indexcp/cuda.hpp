@@ -1,0 +1,256 @@
+// indexcp: the CUDA backend for Hopper (SM90), spec/indexer.md and spec/formats.md on the GPU.
+//
+// Conventions of this header:
+//   - Every pointer argument is DEVICE memory unless its documentation says "host".
+//     The batch structs of indexer.hpp (DecodeBatch, PrefillBatch) are reused: in this namespace
+//     their pointers (q, block_table, seq_lens, query_start) are device pointers.
+//   - The stream is the last argument; work is enqueued on it. Functions documented "sync"
+//     synchronize the stream before returning (they read metadata back to the host).
+//   - Errors throw indexcp::Error naming the argument (kInvalidArgument), or kRuntime for CUDA
+//     failures (the message names the CUDA call and error). A refused call writes nothing.
+//   - Bytes written to a cache are identical to the CPU reference's (formats.md). Scores use
+//     fp16 tensor-core products (exact: E4M3 x E2M1*E4M3 products fit fp16) with fp32
+//     accumulation, so they agree with the CPU's exact scores within fp32 accumulation
+//     tolerance; within this backend every scorer (stock, sharded, decode CP, prefill on the same
+//     keys) computes a given (query, head, token) dot product bit-identically (same MMA shapes,
+//     same dimension order), so sharded and replicated selections are equal bit for bit.
+//   - Selections are exact on the scores: radix selection on an order-preserving key of
+//     (score, block id) with the NaN / -0.0 order of indexer.md section 3.
+//
+// Everything that a CUDA graph must replay (seq_lens, block table, query_start, q) is read from
+// device buffers when the kernels run; grid sizes depend only on the shape arguments
+// (num_requests, max_pages, query_len, heads), so DecodeStep::run can be captured once and
+// replayed with new metadata.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "indexcp/cache.hpp"
+#include "indexcp/comm.hpp"
+#include "indexcp/icp.hpp"
+#include "indexcp/indexer.hpp"
+
+// cudaStream_t without including the CUDA runtime headers in every translation unit.
+struct CUstream_st;
+
+namespace indexcp::cuda {
+
+using Stream = CUstream_st*;  ///< the same type as cudaStream_t
+
+/// True when the library was built with the CUDA backend and a GPU is visible.
+bool available();
+/// "NVIDIA H200" etc. of the current device; Error (kRuntime) when no device is usable.
+std::string device_name();
+
+/// One rank's index cache in device memory: every layer in ONE cudaMalloc, with the geometry of
+/// indexcp::IndexCache (layer l at l * layer_stride(), physical page p at p * page_stride).
+/// New caches are zero-filled. Move-only.
+class DeviceCache {
+ public:
+  /// Errors as IndexCache (names num_pages / num_layers / rank), kRuntime when cudaMalloc fails.
+  DeviceCache(const PageLayout& layout, int64_t num_pages, int32_t num_layers, int32_t rank = 0);
+  ~DeviceCache();
+  DeviceCache(DeviceCache&& o) noexcept;
+  DeviceCache& operator=(DeviceCache&& o) noexcept;
+  DeviceCache(const DeviceCache&) = delete;
+  DeviceCache& operator=(const DeviceCache&) = delete;
+
+  const PageLayout& layout() const { return layout_; }
+  int64_t num_pages() const { return num_pages_; }
+  int32_t num_layers() const { return num_layers_; }
+  int32_t rank() const { return rank_; }
+  int64_t layer_stride() const { return num_pages_ * layout_.page_stride; }
+  int64_t size_bytes() const { return layer_stride() * num_layers_; }
+  uint8_t* data() { return data_; }
+  const uint8_t* data() const { return data_; }
+  /// Device address of layer `layer` (no check).
+  const uint8_t* layer_ptr(int32_t layer) const { return data_ + layer * layer_stride(); }
+  uint8_t* layer_ptr(int32_t layer) { return data_ + layer * layer_stride(); }
+
+  /// Copies a host cache of the same geometry (layout, num_pages, num_layers, rank) in; sync.
+  void upload(const IndexCache& host);
+  /// Copies this cache out into a host cache of the same geometry; sync.
+  void download(IndexCache& host) const;
+
+ private:
+  PageLayout layout_;
+  int64_t num_pages_ = 0;
+  int32_t num_layers_ = 0;
+  int32_t rank_ = 0;
+  uint8_t* data_ = nullptr;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Insert and index-Q cast (indexer.md section 6)
+
+/// Quantizes and writes `num_tokens` keys (fp32 [num_tokens, 128], device) at slot_mapping
+/// (int64 [num_tokens], device; -1 skips) into `cache`; with a sharded cache only the owner rank's
+/// rows are written. Byte-identical to indexcp::insert_keys. opts.pre.norm_weight ([128] fp32)
+/// and opts.pre.positions ([num_tokens] int64) are device pointers. Validation (slot range,
+/// duplicates, non-finite keys before and after RMSNorm/RoPE) runs on the device before the
+/// write kernel, which writes nothing when it failed; then the call synchronizes and throws the
+/// same Error as the CPU insert (the message names the first offending token). Sync.
+void insert_keys(DeviceCache& cache, int32_t layer, const float* keys, const int64_t* slot_mapping,
+                 int64_t num_tokens, const InsertOptions& opts, Stream stream);
+/// Same with bf16 keys (uint16 bit patterns [num_tokens, 128], device). Sync.
+void insert_keys_bf16(DeviceCache& cache, int32_t layer, const uint16_t* keys,
+                      const int64_t* slot_mapping, int64_t num_tokens, const InsertOptions& opts,
+                      Stream stream);
+
+/// Index-Q cast (formats.md section 5): q fp32 [num_tokens, heads, 128] -> out E4M3 bytes, with
+/// optional RMSNorm / RoPE (pre.norm_weight, pre.positions device pointers; positions per token).
+/// NaN in q is refused (Error naming token, head and dim, as the CPU); nothing is written. Sync.
+void quantize_queries(const float* q, int64_t num_tokens, int32_t heads, const KeyPreprocess& pre,
+                      uint8_t* out, Stream stream);
+
+// ---------------------------------------------------------------------------------------------
+// Decode and prefill, one rank
+
+/// Validates a decode batch whose arrays are device pointers against a cache geometry by copying
+/// them to the host and applying indexcp::decode_rows (the same errors as the CPU). Sync.
+void validate_decode_batch(const DecodeBatch& batch, int64_t num_pages, int32_t page_size);
+/// Same for a prefill batch (indexcp::prefill_rows). Sync. Returns the number of rows.
+int64_t validate_prefill_batch(const PrefillBatch& batch, int64_t num_pages, int32_t page_size);
+
+/// Block scores of heads [h0, h0+nh) of a decode batch against one rank's cache (replicated or a
+/// shard; NVFP4 or FP8): out fp32 [rows, nh, max_pages * P / 128], -Inf where no score exists
+/// (not historical, or no rows on this rank). Validates the batch (sync) when `validate`.
+void decode_scores(const DeviceCache& cache, int32_t layer, const DecodeBatch& batch, int32_t h0,
+                   int32_t nh, KRounding mode, float* out, Stream stream, bool validate = true);
+
+/// Replicated decode: score heads [h0, h0+nh) and select (indexer.md sections 3-4).
+/// out int32 [rows, nh, K] (device). The cache must be unsharded (Error naming cache).
+/// Validates the batch first when `validate` (sync); otherwise the call only enqueues work.
+void decode_select(const DeviceCache& cache, int32_t layer, const DecodeBatch& batch, int32_t h0,
+                   int32_t nh, const SelectionParams& sel, KRounding mode, int32_t* out,
+                   Stream stream, bool validate = true);
+
+/// Replicated prefill: NVFP4 scored with E4M3 keys; out int32 [rows, nh, K]. Sync.
+void prefill_select(const DeviceCache& cache, int32_t layer, const PrefillBatch& batch,
+                    int32_t h0, int32_t nh, const SelectionParams& sel, int32_t* out,
+                    Stream stream);
+
+// ---------------------------------------------------------------------------------------------
+// Indexer context parallelism, one rank (indexer.md section 5). `comm` must be a device
+// communicator (DeviceGroup) whose collectives move device buffers on `stream`.
+
+/// ICP decode over a sharded cache: score all heads over this rank's rows, publish, all-gather
+/// through comm, merge this rank's owned heads. out int32 [rows, owned heads, K].
+void icp_decode(Communicator& comm, const DeviceCache& shard, int32_t layer,
+                const DecodeBatch& batch, const SelectionParams& sel, KRounding mode, int32_t* out,
+                Stream stream, bool validate = true);
+
+/// Decode CP over a replicated cache: rank r scores blocks b % W == r, then as icp_decode.
+void decode_cp_replicated(Communicator& comm, const DeviceCache& cache, int32_t layer,
+                          const DecodeBatch& batch, const SelectionParams& sel, KRounding mode,
+                          int32_t* out, Stream stream, bool validate = true);
+
+/// FP8 staging (indexer.md section 5): for each of `num_pages` physical page ids (device int32
+/// [num_pages]), this rank's rows as E4M3 k_hat bytes: out uint8 [num_pages, rows(), 128].
+/// Pages on grid x: any number of pages in one call. BF16 caches are refused. `validate` copies
+/// the page ids to the host and checks them (sync) like the CPU (names pages[i]).
+void stage_fp8(const DeviceCache& shard, int32_t layer, const int32_t* pages, int64_t num_pages,
+               uint8_t* out, Stream stream, bool validate = true);
+
+/// Gather prefill, one rank: like indexcp::prefill_gather (chunks of (request, page) units whose
+/// staging + gathered transient fits budget_bytes), the scoring on the GPU. Sync.
+GatherStats prefill_gather(Communicator& comm, const DeviceCache& shard, int32_t layer,
+                           const PrefillBatch& batch, const SelectionParams& sel,
+                           int64_t budget_bytes, int32_t* out, Stream stream);
+
+/// local_score prefill, one rank (E4M3 keys), publish, exchange, merge owned heads. Sync.
+void prefill_local_score(Communicator& comm, const DeviceCache& shard, int32_t layer,
+                         const PrefillBatch& batch, const SelectionParams& sel, int32_t* out,
+                         Stream stream);
+
+// ---------------------------------------------------------------------------------------------
+// Simulated ranks on one GPU
+
+/// W ranks in one process on the current device; collectives copy device buffers with
+/// cudaMemcpyAsync on the caller's stream, ordered across the ranks' streams with events (the
+/// host threads meet at a mutex/condition-variable barrier; nothing blocks on the GPU).
+/// abort() makes pending and future collectives throw.
+class DeviceGroup {
+ public:
+  explicit DeviceGroup(int world);  ///< world 1..64, else Error naming world
+  ~DeviceGroup();
+  DeviceGroup(const DeviceGroup&) = delete;
+  DeviceGroup& operator=(const DeviceGroup&) = delete;
+  int world() const;
+  Communicator& comm(int rank);
+  void abort();
+  struct State;
+
+ private:
+  std::unique_ptr<State> state_;
+};
+
+/// Runs fn(rank, comm, stream) on `world` host threads (each with its own non-blocking stream on
+/// the current device) through a fresh DeviceGroup, synchronizes every stream and joins. The
+/// first rank error is rethrown (the group is aborted so that no rank hangs).
+void run_device_ranks(int world, const std::function<void(int rank, Communicator& comm, Stream s)>& fn);
+
+// ---------------------------------------------------------------------------------------------
+// One layer's decode step over all W ranks of a TP group on one GPU, one stream: capturable in a
+// CUDA graph (no host synchronization, no allocation in run()).
+
+enum class DecodePath {
+  kReplicated,  ///< every rank scores its owned heads over the replicated cache and selects
+  kIcp,         ///< sharded cache: score all heads over own rows, publish, exchange, merge
+  kDecodeCp,    ///< replicated cache, rank r scores blocks b % W == r, publish, exchange, merge
+};
+
+/// Shapes fixed for the life of a DecodeStep (buffers are sized for them).
+struct DecodeShape {
+  int32_t max_requests = 1;  ///< num_requests of every batch run() sees must be <= this
+  int32_t max_pages = 1;     ///< width of the block table (batch.max_pages must equal it)
+  int32_t query_len = 1;     ///< Q, 1..16
+  int32_t heads = 4;         ///< H; H and W must divide one another
+  SelectionParams sel;
+  KRounding mode = KRounding::kE4m3;
+};
+
+class DecodeStep {
+ public:
+  /// caches: kIcp: W shards (rank r's cache at index r, shards == W); otherwise one replicated
+  /// cache (index 0) shared by every rank. `p256_stock`: at P = 256, W = 2 (shard pages are whole
+  /// stock pages) score them with the stock scorer (INDEXCP_P256_STOCK_DECODE); both scorers give
+  /// identical bits. Allocates all workspace (cudaMalloc) here.
+  DecodeStep(std::vector<const DeviceCache*> caches, int32_t world, int32_t layer,
+             const DecodeShape& shape, DecodePath path, bool p256_stock = true);
+  ~DecodeStep();
+  DecodeStep(const DecodeStep&) = delete;
+  DecodeStep& operator=(const DecodeStep&) = delete;
+
+  /// Enqueues the whole step (all ranks; the exchange is a device-to-device copy of candidate
+  /// records between the ranks' buffers) on `stream`. batch: device pointers; num_requests <=
+  /// max_requests, max_pages == shape.max_pages, query_len and heads as the shape says.
+  /// out int32 [num_requests * Q, H, K]: every head, from its owner rank. Padded requests
+  /// (seq_len 0) give -1. No validation of device contents (see validate_decode_batch).
+  void run(const DecodeBatch& batch, int32_t* out, Stream stream);
+
+  /// The pieces of one rank (for timing and for tests): scoring (plus publish into the shared
+  /// candidate buffer for kIcp / kDecodeCp), then selection (kReplicated) or merge of the owned
+  /// heads from the shared candidate buffer. out as for run() (rank r writes its heads).
+  void enqueue_score(int32_t rank, const DecodeBatch& batch, Stream stream);
+  void enqueue_publish(int32_t rank, const DecodeBatch& batch, Stream stream);
+  void enqueue_select(int32_t rank, const DecodeBatch& batch, int32_t* out, Stream stream);
+
+  /// Bytes of index cache rank r reads per step at the given seq_lens (host array).
+  int64_t bytes_read(int32_t rank, const std::vector<int32_t>& seq_lens) const;
+  int64_t workspace_bytes() const;
+  /// True when rank r's scoring uses the stock (whole 128-row page) scorer.
+  bool uses_stock_scorer(int32_t rank) const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace indexcp::cuda

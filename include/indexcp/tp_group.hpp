@@ -1,0 +1,67 @@
+// indexcp: one layer's indexer over all W ranks of a TP group inside one process, on a backend.
+//
+// This is what the command line, the replay and the end-to-end tests drive: it owns the W rank
+// caches (replicated or sharded, as the resolved config says), runs each collective step on W
+// threads through an in-process communicator, and returns every head's selection taken from the
+// head's owner rank. Backends: "cpu" (this library) and "cuda" (the CUDA backend, when built).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "indexcp/config.hpp"
+#include "indexcp/indexer.hpp"
+
+namespace indexcp {
+
+/// Timing and traffic of one step.
+struct StepStats {
+  double wall_us = 0;            ///< wall time of the whole step (all ranks, in parallel)
+  double us_per_rank = 0;        ///< mean over ranks of each rank's own busy time
+  int64_t bytes_exchanged = 0;   ///< bytes each rank contributed to collectives
+  int64_t gather_reserved_bytes = 0;  ///< prefill gather transient reserved per rank
+};
+
+/// All ranks of one TP group for one layer.
+class TpIndexer {
+ public:
+  virtual ~TpIndexer() = default;
+  /// "cpu" or "cuda".
+  virtual std::string backend() const = 0;
+  virtual const ResolvedConfig& config() const = 0;
+  /// Inserts keys (fp32 [n, 128]) at slots (int64 [n], -1 skips) into every rank's cache (each
+  /// rank writes what it owns). Errors as insert_keys.
+  virtual void insert(const float* keys, const int64_t* slot_mapping, int64_t n,
+                      float encode_scale = 1.0f) = 0;
+  /// One decode step through the configured path (replicated, ICP over shards, or decode CP).
+  /// Returns int32 [rows, H, K], each head from its owner rank.
+  virtual std::vector<int32_t> decode(const DecodeBatch& batch, const SelectionParams& sel,
+                                      StepStats* stats = nullptr) = 0;
+  /// One prefill batch through the configured path (replicated, gather or local_score).
+  virtual std::vector<int32_t> prefill(const PrefillBatch& batch, const SelectionParams& sel,
+                                       StepStats* stats = nullptr) = 0;
+  /// Replicated block scores of heads [0, H) for decode rows (for reports; fp32
+  /// [rows, H, max_pages * P / 128], -Inf where no score exists). Requires an unsharded cache.
+  virtual std::vector<float> decode_scores(const DecodeBatch& batch) = 0;
+  /// Bytes of index cache per rank.
+  virtual int64_t cache_bytes_per_rank() const = 0;
+};
+
+/// The CPU backend: W caches of num_pages pages (one layer). Errors as resolve_config and
+/// IndexCache.
+std::unique_ptr<TpIndexer> make_cpu_tp_indexer(const ResolvedConfig& config, int64_t num_pages);
+
+/// The CUDA backend on the current device (simulated ranks on one GPU), or nullptr-free Error
+/// (kUnsupported) when the library was built without CUDA or no GPU is present.
+std::unique_ptr<TpIndexer> make_cuda_tp_indexer(const ResolvedConfig& config, int64_t num_pages);
+
+/// True when the CUDA backend is built in and a GPU is visible.
+bool cuda_available();
+
+/// "cpu" | "cuda" | "auto" (cuda when available). Errors name --backend.
+std::unique_ptr<TpIndexer> make_tp_indexer(const std::string& backend, const ResolvedConfig& config,
+                                           int64_t num_pages);
+
+}  // namespace indexcp

@@ -1,0 +1,88 @@
+// Internal helpers of the CUDA backend: error checks, the score order key, small PTX wrappers.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "indexcp/error.hpp"
+#include "indexcp/formats.hpp"
+
+namespace indexcp::cuda::detail {
+
+/// Throws Error(kRuntime) naming the CUDA call when `e` is not cudaSuccess.
+inline void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess)
+    throw Error(ErrorCode::kRuntime, std::string("CUDA: ") + what + " failed: " + cudaGetErrorName(e) +
+                                         " (" + cudaGetErrorString(e) + ")");
+}
+#define INDEXCP_CUDA_CHECK(call) ::indexcp::cuda::detail::check((call), #call)
+/// After a kernel launch: reports launch-configuration errors (never waits for the kernel).
+#define INDEXCP_CUDA_LAUNCH_CHECK(name) ::indexcp::cuda::detail::check(cudaGetLastError(), name)
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+/// Multiprocessor count of the current device (cached per device).
+int sm_count();
+
+/// RAII device buffer (cudaMalloc / cudaFree).
+template <class T>
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(size_t n) { resize(n); }
+  ~DeviceBuffer() { reset(); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer(DeviceBuffer&& o) noexcept : p_(o.p_), n_(o.n_) { o.p_ = nullptr; o.n_ = 0; }
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+    if (this != &o) { reset(); p_ = o.p_; n_ = o.n_; o.p_ = nullptr; o.n_ = 0; }
+    return *this;
+  }
+  void resize(size_t n) {
+    if (n <= n_) return;
+    reset();
+    void* p = nullptr;
+    check(cudaMalloc(&p, (n ? n : 1) * sizeof(T)), "cudaMalloc (workspace)");
+    p_ = static_cast<T*>(p);
+    n_ = n;
+  }
+  void reset() {
+    if (p_) cudaFree(p_);
+    p_ = nullptr;
+    n_ = 0;
+  }
+  T* get() const { return p_; }
+  size_t size() const { return n_; }
+
+ private:
+  T* p_ = nullptr;
+  size_t n_ = 0;
+};
+
+// ---------------------------------------------------------------------------------------------
+// The order of scores (indexer.md section 3) as unsigned keys: higher key = better score.
+// NaN -> 0 (below everything), -0.0 and +0.0 -> the same key, -Inf -> 0x007FFFFF.
+
+__host__ __device__ __forceinline__ uint32_t score_key(float s) {
+  uint32_t u = fmt::f32_bits(s);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0u;  // NaN
+  if (u == 0x80000000u) u = 0u;                    // -0.0 == +0.0
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+/// (score desc, id asc) as one unique unsigned 64-bit key (ids >= 0): higher = better.
+__host__ __device__ __forceinline__ uint64_t cand_key(float s, int32_t id) {
+  return (static_cast<uint64_t>(score_key(s)) << 32) | static_cast<uint64_t>(0xffffffffu - static_cast<uint32_t>(id));
+}
+
+#if defined(__CUDACC__)
+/// PTX prmt.b32 in its default mode (selector nibble bit 3 replicates the sign of the byte).
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+  return r;
+}
+#endif
+
+}  // namespace indexcp::cuda::detail

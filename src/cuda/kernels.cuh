@@ -1,0 +1,137 @@
+// Internal launchers of the CUDA backend (scoring, selection, publish, merge, staging, insert).
+// Every launcher only enqueues work on the stream; none synchronizes. Arguments are assumed valid
+// (the public functions in api.cu validate them); kernels still never read outside the cache
+// (page ids outside [0, num_pages) are skipped).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "indexcp/icp.hpp"
+#include "indexcp/indexer.hpp"
+#include "indexcp/layout.hpp"
+
+namespace indexcp::cuda::detail {
+
+/// Rows of a batch as the kernels see them: decode (query_start == nullptr: request b has rows
+/// b*Q .. b*Q+Q-1 when seq_len > 0) or prefill (rows query_start[b] .. query_start[b+1]-1).
+struct RowsView {
+  const int32_t* seq_lens = nullptr;
+  const int32_t* query_start = nullptr;  // null: decode
+  int32_t num_requests = 0;
+  int32_t query_len = 1;                 // decode Q
+  int64_t rows = 0;                      // total rows (decode: num_requests * Q)
+};
+
+/// Where the keys of a scoring launch come from.
+struct KeySource {
+  const uint8_t* base = nullptr;  ///< cache layer base, or the gathered FP8 buffer
+  PageLayout layout;              ///< the cache's layout; for `gather`: FP8, P, W of the group
+  int32_t rank = 0;               ///< the cache's rank (unused for gather)
+  int64_t num_pages = 0;          ///< cache pages, or units in the gathered buffer
+  bool gather = false;            ///< keys are [W][num_pages][R][128] FP8 rows (prefill gather)
+};
+
+struct ScoreLaunch {
+  KeySource keys;
+  KRounding mode = KRounding::kE4m3;  ///< NVFP4 only
+  bool stock = false;                 ///< use the whole-page (R >= 128) scorer specialization
+  RowsView rows;
+  const int32_t* block_table = nullptr;
+  int32_t max_pages = 0;
+  int32_t max_rows_per_request = 1;   ///< host bound on rows of one request (grid y)
+  const uint8_t* q = nullptr;         ///< E4M3 [rows, heads, 128]
+  int32_t heads = 1, h0 = 0, nh = 1;
+  BlockFilter filter;
+  float* scores = nullptr;            ///< [rows, nh, max_blocks]
+  int64_t max_blocks = 0;
+  int32_t* plan = nullptr;  ///< device scratch int32 [num_requests + 1]; null: allocated on the stream
+};
+
+/// The scorer: block maxima of q . k_hat over the source's rows (indexer.md sections 2-3, 5.1).
+void launch_score(const ScoreLaunch& s, cudaStream_t stream);
+
+/// Bytes of keys one launch reads for a request of `seq_len` (for bandwidth reports).
+int64_t score_bytes_read(const KeySource& keys, int32_t seq_len, BlockFilter filter);
+
+/// Fills n floats with -Inf.
+void launch_fill_neg_inf(float* p, int64_t n, cudaStream_t stream);
+
+struct SelectLaunch {
+  RowsView rows;
+  const float* scores = nullptr;  ///< [rows, nh, max_blocks]
+  int64_t max_blocks = 0;
+  int32_t nh = 1;
+  SelectionParams sel;
+  // select: out int32 [rows, out_heads, K] at head offset out_h0
+  int32_t* out = nullptr;
+  int32_t out_heads = 1, out_h0 = 0;
+  // publish: cands [rows, nh, ranked] (when non-null, publish instead of select)
+  Candidate* cands = nullptr;
+  PageLayout layout;  ///< publish: validity of a block on `rank` (rows stored), with `filter`
+  int32_t rank = 0;
+  BlockFilter filter;
+};
+/// Exact selection (section 4) or publish (section 5 step 2), one CTA per (row, head).
+void launch_select(const SelectLaunch& s, cudaStream_t stream);
+
+struct MergeLaunch {
+  RowsView rows;
+  const Candidate* cands = nullptr;  ///< [world][rows][heads][ranked]
+  int32_t world = 1, heads = 1, h0 = 0, nh = 1;
+  SelectionParams sel;
+  int32_t* out = nullptr;  ///< [rows, out_heads, K] at head offset out_h0
+  int32_t out_heads = 1, out_h0 = 0;
+};
+/// Merge (section 5 step 4), one CTA per (row, owned head).
+void launch_merge(const MergeLaunch& m, cudaStream_t stream);
+
+/// FP8 staging of num_pages pages (ids in `pages`, device) of one shard layer: out
+/// [num_pages, rows, 128]. Pages on grid x.
+void launch_stage_fp8(const uint8_t* layer_base, const PageLayout& layout, int64_t cache_pages,
+                      const int32_t* pages, int64_t num_pages, uint8_t* out, cudaStream_t stream);
+
+/// Uploads the E4M3 k_hat table (|e2m1 code| x |scale| rounded to E4M3, per scale byte) to the
+/// current device once. Call before any graph capture (DeviceCache's constructor does).
+void ensure_tables();
+
+// ---- insert / q cast ----------------------------------------------------------------------
+
+struct InsertLaunch {
+  const float* keys_f32 = nullptr;     ///< one of these two
+  const uint16_t* keys_bf16 = nullptr;
+  const int64_t* slots = nullptr;
+  int64_t n = 0;
+  uint8_t* layer_base = nullptr;
+  PageLayout layout;
+  int32_t rank = 0;
+  int64_t num_slots = 0;  ///< num_pages * P
+  float encode_scale = 1.0f;
+  const float* norm_weight = nullptr;  ///< device [128] or null
+  float eps = 1e-6f;
+  const float* rope_cs = nullptr;      ///< device [n][64]: cos[32] then sin[32] per token, or null
+  uint8_t* staged = nullptr;           ///< device [n][key_bytes]
+  unsigned long long* err = nullptr;   ///< device: min over (token << 3 | kind); ~0 = none
+  int64_t* sort_keys = nullptr;        ///< device scratch for the duplicate check [4][n] int64
+  void* sort_temp = nullptr;
+  size_t sort_temp_bytes = 0;
+};
+/// Temporary bytes the duplicate check needs for n tokens.
+size_t insert_sort_temp_bytes(int64_t n);
+/// validate + quantize to staging, duplicate check, conditional write.
+void launch_insert(const InsertLaunch& l, cudaStream_t stream);
+
+struct QCastLaunch {
+  const float* q = nullptr;
+  int64_t vectors = 0;  ///< num_tokens * heads
+  int32_t heads = 1;
+  const float* norm_weight = nullptr;
+  float eps = 1e-6f;
+  const float* rope_cs = nullptr;  ///< [num_tokens][64]
+  uint8_t* out = nullptr;
+  unsigned long long* err = nullptr;  ///< min linear index of a NaN element
+};
+void launch_qcast(const QCastLaunch& l, cudaStream_t stream);
+
+}  // namespace indexcp::cuda::detail

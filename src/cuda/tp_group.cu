@@ -1,0 +1,187 @@
+// TpIndexer on the CUDA backend: W rank caches on the current GPU, W host threads with their own
+// streams, and the device in-process communicator (simulated ranks on one GPU).
+#include <algorithm>
+#include <chrono>
+
+#include "common.cuh"
+#include "indexcp/cuda.hpp"
+#include "indexcp/error.hpp"
+#include "indexcp/tp_group.hpp"
+
+namespace indexcp {
+
+namespace {
+
+double now_us() {
+  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+template <class T>
+struct Dev {
+  cuda::detail::DeviceBuffer<T> buf;
+  Dev(const T* host, size_t n) : buf(n) {
+    if (n) cuda::detail::check(cudaMemcpy(buf.get(), host, n * sizeof(T), cudaMemcpyHostToDevice), "cudaMemcpy (upload)");
+  }
+  T* get() const { return buf.get(); }
+};
+
+class CudaTpIndexer final : public TpIndexer {
+ public:
+  CudaTpIndexer(const ResolvedConfig& c, int64_t num_pages) : cfg_(c) {
+    if (c.kv_dtype == KvDtype::kBf16)
+      throw Error(ErrorCode::kUnsupported,
+                  "indexer_kv_dtype = bf16 is not supported by --backend cuda (use fp8 or nvfp4, or --backend cpu)");
+    const PageLayout l = make_page_layout(c.kv_dtype, c.engine.page_size, c.shards);
+    for (int32_t r = 0; r < c.shards; ++r) caches_.emplace_back(l, num_pages, 1, r);
+  }
+  std::string backend() const override { return "cuda"; }
+  const ResolvedConfig& config() const override { return cfg_; }
+  int64_t cache_bytes_per_rank() const override { return caches_[0].size_bytes(); }
+
+  void insert(const float* keys, const int64_t* slots, int64_t n, float S) override {
+    require(n >= 0, "num_tokens = " + std::to_string(n) + " must be >= 0");
+    if (n == 0) return;
+    require(keys != nullptr && slots != nullptr, "keys or slot_mapping is null");
+    Dev<float> k(keys, static_cast<size_t>(n) * kHeadDim);
+    Dev<int64_t> s(slots, static_cast<size_t>(n));
+    InsertOptions o;
+    o.encode_scale = S;
+    // rank 0 validates first: a refused batch writes nothing on any rank
+    for (auto& c : caches_) cuda::insert_keys(c, 0, k.get(), s.get(), n, o, nullptr);
+  }
+
+  std::vector<int32_t> decode(const DecodeBatch& b, const SelectionParams& sel, StepStats* st) override {
+    sel.validate();
+    (void)decode_rows(b, caches_[0].num_pages(), cfg_.engine.page_size);  // the CPU's checks and messages
+    const int64_t rows = b.rows();
+    Dev<uint8_t> q(b.q, static_cast<size_t>(rows) * b.heads * kHeadDim);
+    Dev<int32_t> bt(b.block_table, static_cast<size_t>(b.num_requests) * b.max_pages);
+    Dev<int32_t> sl(b.seq_lens, static_cast<size_t>(b.num_requests));
+    DecodeBatch d = b;
+    d.q = q.get();
+    d.block_table = bt.get();
+    d.seq_lens = sl.get();
+    return run(rows, b.heads, sel, st, [&](int rank, Communicator& comm, int32_t* out, cuda::Stream s) {
+      if (cfg_.sharding) {
+        cuda::icp_decode(comm, caches_[rank], 0, d, sel, cfg_.k_rounding, out, s, false);
+      } else if (cfg_.decode_cp) {
+        cuda::decode_cp_replicated(comm, caches_[0], 0, d, sel, cfg_.k_rounding, out, s, false);
+      } else {
+        int32_t h0, nh;
+        owned_heads(d.heads, comm.world(), rank, &h0, &nh);
+        cuda::decode_select(caches_[0], 0, d, h0, nh, sel, cfg_.k_rounding, out, s, false);
+      }
+    });
+  }
+
+  std::vector<int32_t> prefill(const PrefillBatch& b, const SelectionParams& sel, StepStats* st) override {
+    sel.validate();
+    (void)prefill_rows(b, caches_[0].num_pages(), cfg_.engine.page_size);
+    const int64_t rows = b.rows();
+    Dev<uint8_t> q(b.q, static_cast<size_t>(rows) * b.heads * kHeadDim);
+    Dev<int32_t> bt(b.block_table, static_cast<size_t>(b.num_requests) * b.max_pages);
+    Dev<int32_t> sl(b.seq_lens, static_cast<size_t>(b.num_requests));
+    Dev<int32_t> qs(b.query_start, static_cast<size_t>(b.num_requests) + 1);
+    PrefillBatch d = b;
+    d.q = q.get();
+    d.block_table = bt.get();
+    d.seq_lens = sl.get();
+    d.query_start = qs.get();
+    std::vector<int64_t> reserved(static_cast<size_t>(cfg_.engine.tp), 0);
+    auto res = run(rows, b.heads, sel, st, [&](int rank, Communicator& comm, int32_t* out, cuda::Stream s) {
+      if (cfg_.sharding && cfg_.prefill_cp == PrefillCp::kGather) {
+        reserved[rank] = cuda::prefill_gather(comm, caches_[rank], 0, d, sel, cfg_.prefill_gather_budget_bytes, out, s)
+                             .reserved_bytes;
+      } else if (cfg_.sharding) {
+        cuda::prefill_local_score(comm, caches_[rank], 0, d, sel, out, s);
+      } else {
+        int32_t h0, nh;
+        owned_heads(d.heads, comm.world(), rank, &h0, &nh);
+        cuda::prefill_select(caches_[0], 0, d, h0, nh, sel, out, s);
+      }
+    });
+    if (st) st->gather_reserved_bytes = *std::max_element(reserved.begin(), reserved.end());
+    return res;
+  }
+
+  std::vector<float> decode_scores(const DecodeBatch& b) override {
+    require(!cfg_.sharding, "decode_scores needs a replicated cache (sharding is on)");
+    (void)decode_rows(b, caches_[0].num_pages(), cfg_.engine.page_size);
+    const int64_t rows = b.rows();
+    Dev<uint8_t> q(b.q, static_cast<size_t>(rows) * b.heads * kHeadDim);
+    Dev<int32_t> bt(b.block_table, static_cast<size_t>(b.num_requests) * b.max_pages);
+    Dev<int32_t> sl(b.seq_lens, static_cast<size_t>(b.num_requests));
+    DecodeBatch d = b;
+    d.q = q.get();
+    d.block_table = bt.get();
+    d.seq_lens = sl.get();
+    const int64_t mb = static_cast<int64_t>(b.max_pages) * caches_[0].layout().blocks_per_page();
+    const size_t n = static_cast<size_t>(rows) * b.heads * mb;
+    cuda::detail::DeviceBuffer<float> out(n);
+    cuda::decode_scores(caches_[0], 0, d, 0, b.heads, cfg_.k_rounding, out.get(), nullptr, false);
+    std::vector<float> h(n);
+    if (n) cuda::detail::check(cudaMemcpy(h.data(), out.get(), n * sizeof(float), cudaMemcpyDeviceToHost), "cudaMemcpy (scores)");
+    return h;
+  }
+
+ private:
+  template <class Fn>
+  std::vector<int32_t> run(int64_t rows, int32_t heads, const SelectionParams& sel, StepStats* st, Fn&& fn) {
+    const int W = cfg_.engine.tp;
+    check_heads_tp(heads, W);
+    std::vector<cuda::detail::DeviceBuffer<int32_t>> outs(static_cast<size_t>(W));
+    std::vector<double> busy(static_cast<size_t>(W), 0.0);
+    std::vector<int64_t> sent(static_cast<size_t>(W), 0);
+    for (int r = 0; r < W; ++r) {
+      int32_t h0, nh;
+      owned_heads(heads, W, r, &h0, &nh);
+      outs[r].resize(static_cast<size_t>(std::max<int64_t>(1, rows * nh * sel.topk)));
+    }
+    const double t0 = now_us();
+    cuda::run_device_ranks(W, [&](int rank, Communicator& comm, cuda::Stream s) {
+      const double a = now_us();
+      fn(rank, comm, outs[rank].get(), s);
+      cuda::detail::check(cudaStreamSynchronize(reinterpret_cast<cudaStream_t>(s)), "cudaStreamSynchronize");
+      busy[rank] = now_us() - a;
+      sent[rank] = static_cast<int64_t>(comm.bytes_sent());
+    });
+    const double wall = now_us() - t0;
+    std::vector<int32_t> all(static_cast<size_t>(rows) * heads * sel.topk, -1);
+    for (int rank = 0; rank < W; ++rank) {
+      int32_t h0, nh;
+      owned_heads(heads, W, rank, &h0, &nh);
+      if (W > heads && rank != h0 * W / heads) continue;  // the first rank sharing a head
+      std::vector<int32_t> h(static_cast<size_t>(rows) * nh * sel.topk);
+      if (!h.empty())
+        cuda::detail::check(cudaMemcpy(h.data(), outs[rank].get(), h.size() * sizeof(int32_t), cudaMemcpyDeviceToHost),
+                            "cudaMemcpy (selection)");
+      for (int64_t r = 0; r < rows; ++r)
+        for (int32_t hh = 0; hh < nh; ++hh)
+          std::copy_n(h.data() + (r * nh + hh) * sel.topk, sel.topk, all.data() + (r * heads + h0 + hh) * sel.topk);
+    }
+    if (st) {
+      *st = StepStats{};
+      st->wall_us = wall;
+      for (int r = 0; r < W; ++r) {
+        st->us_per_rank += busy[r] / W;
+        st->bytes_exchanged = std::max(st->bytes_exchanged, sent[r]);
+      }
+    }
+    return all;
+  }
+
+  ResolvedConfig cfg_;
+  std::vector<cuda::DeviceCache> caches_;
+};
+
+}  // namespace
+
+bool cuda_available() { return cuda::available(); }
+
+std::unique_ptr<TpIndexer> make_cuda_tp_indexer(const ResolvedConfig& config, int64_t num_pages) {
+  if (!cuda::available())
+    throw Error(ErrorCode::kUnsupported, "--backend cuda: no CUDA GPU is visible (this build has the CUDA backend)");
+  return std::make_unique<CudaTpIndexer>(config, num_pages);
+}
+
+}  // namespace indexcp

@@ -1,0 +1,299 @@
+// GPU FP8 staging (C07), replicated / gather / local_score prefill, prefill == decode on the
+// same keys, and the CUDA TpIndexer against the CPU one.
+#include "gpu_util.hpp"
+#include "indexcp/config.hpp"
+#include "indexcp/error.hpp"
+#include "indexcp/tp_group.hpp"
+
+using namespace gpu;
+
+namespace {
+
+struct PrefillScene {
+  Requests req;
+  std::vector<float> keys;
+  std::vector<int64_t> slots;
+  std::vector<int32_t> qs;
+  std::vector<uint8_t> q;
+  int32_t heads = 4;
+};
+
+PrefillScene prefill_scene(int32_t P, uint32_t seed, bool exact) {
+  PrefillScene s;
+  s.req = make_requests({3000, 700, 2048, 0, 130}, P, seed);
+  if (exact) exact_keys(s.req, seed + 1, s.keys, s.slots);
+  else make_keys(s.req, seed + 1, s.keys, s.slots);
+  s.qs = {0, 130, 830, 835, 835, 835 + 7};
+  s.q = exact ? int_q(s.qs.back(), s.heads, seed + 2) : make_q(s.qs.back(), s.heads, seed + 2);
+  return s;
+}
+
+struct DevPrefill {
+  DevArr<uint8_t> q;
+  DevArr<int32_t> bt, sl, qs;
+  PrefillBatch b;
+  DevPrefill(const PrefillScene& s) : q(s.q), bt(s.req.block_table), sl(s.req.seq_lens), qs(s.qs) {
+    b.q = q.get();
+    b.heads = s.heads;
+    b.block_table = bt.get();
+    b.num_requests = static_cast<int32_t>(s.req.seq_lens.size());
+    b.max_pages = s.req.max_pages;
+    b.seq_lens = sl.get();
+    b.query_start = qs.get();
+  }
+};
+
+PrefillBatch host_prefill(const PrefillScene& s) {
+  PrefillBatch b;
+  b.q = s.q.data();
+  b.heads = s.heads;
+  b.block_table = s.req.block_table.data();
+  b.num_requests = static_cast<int32_t>(s.req.seq_lens.size());
+  b.max_pages = s.req.max_pages;
+  b.seq_lens = s.req.seq_lens.data();
+  b.query_start = s.qs.data();
+  return b;
+}
+
+}  // namespace
+
+TEST(GpuStage, StagingEqualsCpuOnShards) {
+  REQUIRE_GPU();
+  for (KvDtype dt : {KvDtype::kNvfp4, KvDtype::kFp8})
+    for (int32_t P : {128, 256})
+      for (int32_t W : {1, 2, 4, 8}) {
+        auto req = make_requests({2000, 513}, P, 5u + W);
+        std::vector<float> keys;
+        std::vector<int64_t> slots;
+        make_keys(req, 6u + P, keys, slots);
+        auto host = make_shards(dt, req, W, keys, slots);
+        auto dev = device_shards(dt, req, W, keys, slots);
+        std::vector<int32_t> pages;
+        for (int i = 0; i < 40; ++i) pages.push_back(static_cast<int32_t>((i * 7) % req.num_pages));
+        DevArr<int32_t> dp(pages);
+        for (int32_t r = 0; r < W; ++r) {
+          const int32_t R = P / W;
+          std::vector<uint8_t> ref(pages.size() * R * 128);
+          stage_fp8(host[r], 0, pages.data(), static_cast<int64_t>(pages.size()), ref.data());
+          DevArr<uint8_t> out(ref.size());
+          cuda::stage_fp8(dev[r], 0, dp.get(), static_cast<int64_t>(pages.size()), out.get(), nullptr);
+          EXPECT_EQ(out.host(), ref) << to_string(dt) << " P" << P << " W" << W << " rank " << r;
+        }
+      }
+}
+
+// C07: 65,535, 65,536 and 131,073 stock pages staged in one call, every page equal to the CPU's.
+TEST(GpuCases, C07_MoreThan65535PagesInOneCall) {
+  REQUIRE_GPU();
+  const int64_t distinct = 1024;
+  const PageLayout l = make_page_layout(KvDtype::kNvfp4, 128, 1);
+  IndexCache host(l, distinct, 1, 0);
+  std::mt19937 rng(7);
+  for (int64_t i = 0; i < host.size_bytes(); ++i) host.data()[i] = static_cast<uint8_t>(rng());
+  for (int64_t p = 0; p < distinct; ++p)  // valid scale bytes (no E4M3 NaN)
+    for (int32_t j = 0; j < 128 * 8; ++j) {
+      uint8_t& b = host.page_ptr(0, p)[128 * 64 + j];
+      if ((b & 0x7f) == 0x7f) b = 0x7e;
+    }
+  cuda::DeviceCache dev(l, distinct, 1, 0);
+  dev.upload(host);
+  std::vector<uint8_t> ref(static_cast<size_t>(distinct) * 128 * 128);
+  std::vector<int32_t> all(distinct);
+  for (int32_t i = 0; i < distinct; ++i) all[i] = i;
+  stage_fp8(host, 0, all.data(), distinct, ref.data());
+  for (int64_t n : {int64_t{65535}, int64_t{65536}, int64_t{131073}}) {
+    std::vector<int32_t> pages(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) pages[i] = static_cast<int32_t>((i * 2654435761u) % distinct);
+    DevArr<int32_t> dp(pages);
+    DevArr<uint8_t> out(static_cast<size_t>(n) * 128 * 128);
+    out.fill_bytes(0xEE);
+    cuda::stage_fp8(dev, 0, dp.get(), n, out.get(), nullptr);
+    CUDA_OK(cudaDeviceSynchronize());
+    const auto o = out.host();
+    for (int64_t i = 0; i < n; ++i)
+      ASSERT_EQ(std::memcmp(o.data() + i * 128 * 128, ref.data() + static_cast<int64_t>(pages[i]) * 128 * 128, 128 * 128), 0)
+          << n << " pages: page " << i << " differs";
+  }
+}
+
+TEST(GpuPrefill, ReplicatedMatchesCpu) {
+  REQUIRE_GPU();
+  for (KvDtype dt : {KvDtype::kNvfp4, KvDtype::kFp8})
+    for (int32_t P : {128, 256})
+      for (bool exact : {true, false}) {
+        auto s = prefill_scene(P, 31u + P, exact);
+        auto host = make_shards(dt, s.req, 1, s.keys, s.slots);
+        auto dev = device_shards(dt, s.req, 1, s.keys, s.slots);
+        DevPrefill d(s);
+        const PrefillBatch hb = host_prefill(s);
+        SelectionParams sel;
+        std::vector<int32_t> cpu(s.qs.back() * s.heads * 16);
+        prefill_select(host[0], 0, hb, 0, s.heads, sel, cpu.data());
+        DevArr<int32_t> out(cpu.size());
+        cuda::prefill_select(dev[0], 0, d.b, 0, s.heads, sel, out.get(), nullptr);
+        const auto g = out.host();
+        if (exact) {
+          EXPECT_EQ(g, cpu) << to_string(dt) << " P" << P;
+        } else {
+          const auto rows = prefill_rows(hb, s.req.num_pages, P);
+          compare_selections(g, cpu, ref_scores(host[0], s.req, rows, s.q, s.heads, KRounding::kE4m3), rows, s.heads, 16,
+                             "prefill " + to_string(dt));
+        }
+      }
+}
+
+// Prefill scores E4M3 keys: on an NVFP4 cache its selection of the last Q rows of each request
+// equals decode's with E4M3 rounding, bit for bit (the same dot products).
+TEST(GpuPrefill, PrefillEqualsDecodeOnTheSameKeys) {
+  REQUIRE_GPU();
+  for (int32_t P : {128, 256}) {
+    auto req = make_requests({3000, 700, 2300}, P, 71);
+    std::vector<float> keys;
+    std::vector<int64_t> slots;
+    make_keys(req, 72, keys, slots);
+    auto dev = device_shards(KvDtype::kNvfp4, req, 1, keys, slots);
+    const int32_t Q = 8, H = 4;
+    const auto q = make_q(3 * Q, H, 73);
+    DevDecode dd(req, q, H, Q);
+    DevArr<int32_t> dec(3 * Q * H * 16), pre(3 * Q * H * 16);
+    cuda::decode_select(dev[0], 0, dd.b, 0, H, SelectionParams{}, KRounding::kE4m3, dec.get(), nullptr);
+    std::vector<int32_t> qs = {0, Q, 2 * Q, 3 * Q};
+    DevArr<int32_t> dqs(qs);
+    PrefillBatch pb;
+    pb.q = dd.q.get();
+    pb.heads = H;
+    pb.block_table = dd.bt.get();
+    pb.num_requests = 3;
+    pb.max_pages = req.max_pages;
+    pb.seq_lens = dd.sl.get();
+    pb.query_start = dqs.get();
+    cuda::prefill_select(dev[0], 0, pb, 0, H, SelectionParams{}, pre.get(), nullptr);
+    EXPECT_EQ(pre.host(), dec.host()) << "P" << P;
+  }
+}
+
+// gather and local_score prefill on shards equal the replicated GPU prefill bit for bit, for every
+// (P, W), with budgets that force many chunks; the gather's stats equal the CPU's.
+TEST(GpuPrefill, GatherAndLocalScoreEqualReplicated) {
+  REQUIRE_GPU();
+  for (int32_t P : {128, 256})
+    for (int32_t W : {2, 4, 8})
+      for (KvDtype dt : {KvDtype::kNvfp4, KvDtype::kFp8}) {
+        auto s = prefill_scene(P, 81u + W, false);
+        auto repl = device_shards(dt, s.req, 1, s.keys, s.slots);
+        auto shards = device_shards(dt, s.req, W, s.keys, s.slots);
+        auto host = make_shards(dt, s.req, W, s.keys, s.slots);
+        DevPrefill d(s);
+        SelectionParams sel;
+        const size_t n = static_cast<size_t>(s.qs.back()) * s.heads * 16;
+        DevArr<int32_t> ref(n);
+        cuda::prefill_select(repl[0], 0, d.b, 0, s.heads, sel, ref.get(), nullptr);
+        const auto r = ref.host();
+        const int64_t unit = gather_unit_bytes(shards[0].layout());
+        for (int64_t budget : {unit, unit * 5, int64_t{256} << 20}) {
+          std::vector<std::vector<int32_t>> per(W);
+          std::vector<GatherStats> gst(W), cst(W);
+          cuda::run_device_ranks(W, [&](int rank, Communicator& comm, cuda::Stream st) {
+            int32_t h0, nh;
+            owned_heads(s.heads, W, rank, &h0, &nh);
+            DevArr<int32_t> o(static_cast<size_t>(s.qs.back()) * nh * 16);
+            gst[rank] = cuda::prefill_gather(comm, shards[rank], 0, d.b, sel, budget, o.get(), st);
+            per[rank] = o.host();
+          });
+          const bool with_cpu = dt == KvDtype::kFp8 && budget == unit * 5;  // stats do not depend on dtype
+          if (with_cpu)
+            run_ranks(W, [&](int rank, Communicator& comm) {
+              int32_t h0, nh;
+              owned_heads(s.heads, W, rank, &h0, &nh);
+              std::vector<int32_t> o(static_cast<size_t>(s.qs.back()) * nh * 16);
+              cst[rank] = prefill_gather(comm, host[rank], 0, host_prefill(s), sel, budget, o.data());
+            });
+          for (int32_t rank = 0; rank < W; ++rank) {
+            if (with_cpu) {
+              EXPECT_EQ(gst[rank].reserved_bytes, cst[rank].reserved_bytes);
+              EXPECT_EQ(gst[rank].chunks, cst[rank].chunks);
+              EXPECT_EQ(gst[rank].pages, cst[rank].pages);
+              EXPECT_EQ(gst[rank].gathered_bytes, cst[rank].gathered_bytes);
+            }
+            int32_t h0, nh;
+            owned_heads(s.heads, W, rank, &h0, &nh);
+            for (int64_t row = 0; row < s.qs.back(); ++row)
+              for (int32_t hh = 0; hh < nh; ++hh)
+                for (int k = 0; k < 16; ++k)
+                  ASSERT_EQ(per[rank][(row * nh + hh) * 16 + k], r[(row * s.heads + h0 + hh) * 16 + k])
+                      << "gather P" << P << " W" << W << " budget " << budget << " rank " << rank << " row " << row;
+          }
+        }
+        std::vector<std::vector<int32_t>> per(W);
+        cuda::run_device_ranks(W, [&](int rank, Communicator& comm, cuda::Stream st) {
+          int32_t h0, nh;
+          owned_heads(s.heads, W, rank, &h0, &nh);
+          DevArr<int32_t> o(static_cast<size_t>(s.qs.back()) * nh * 16);
+          cuda::prefill_local_score(comm, shards[rank], 0, d.b, sel, o.get(), st);
+          per[rank] = o.host();
+        });
+        for (int32_t rank = 0; rank < W; ++rank) {
+          int32_t h0, nh;
+          owned_heads(s.heads, W, rank, &h0, &nh);
+          for (int64_t row = 0; row < s.qs.back(); ++row)
+            for (int32_t hh = 0; hh < nh; ++hh)
+              for (int k = 0; k < 16; ++k)
+                ASSERT_EQ(per[rank][(row * nh + hh) * 16 + k], r[(row * s.heads + h0 + hh) * 16 + k])
+                    << "local_score P" << P << " W" << W << " rank " << rank << " row " << row;
+        }
+      }
+}
+
+// The CUDA TpIndexer (what `indexcp run --backend cuda` and replay drive) against the CPU one on
+// exact data: identical selections on every path.
+TEST(GpuTpIndexer, EqualsCpuOnEveryPath) {
+  REQUIRE_GPU();
+  struct Cfg {
+    std::string json;
+    int32_t tp, P;
+  };
+  const std::vector<Cfg> cfgs = {
+      {R"({"indexer_kv_dtype": "nvfp4", "indexer_cache_sharding": "on"})", 2, 128},
+      {R"({"indexer_kv_dtype": "nvfp4", "indexer_cache_sharding": "on", "indexer_prefill_cp": "local_score"})", 4, 256},
+      {R"({"indexer_kv_dtype": "nvfp4", "indexer_cache_sharding": "on"})", 2, 256},
+      {R"({"indexer_kv_dtype": "fp8", "indexer_cache_sharding": "off"})", 2, 128},
+      {R"({"indexer_kv_dtype": "fp8", "indexer_decode_cp": true})", 2, 128},
+      {R"({"indexer_kv_dtype": "nvfp4", "indexer_k_rounding": "exact", "indexer_cache_sharding": "on"})", 8, 128},
+  };
+  for (const auto& c : cfgs) {
+    EngineParams e;
+    e.tp = c.tp;
+    e.page_size = c.P;
+    e.heads = 4;
+    e.query_len = 8;
+    const ResolvedConfig rc = resolve_config(AttentionConfig::from_json(c.json), e);
+    auto s = prefill_scene(c.P, 101, true);
+    auto cpu = make_cpu_tp_indexer(rc, s.req.num_pages);
+    auto gpu = make_tp_indexer("cuda", rc, s.req.num_pages);
+    EXPECT_EQ(gpu->backend(), "cuda");
+    EXPECT_EQ(gpu->cache_bytes_per_rank(), cpu->cache_bytes_per_rank());
+    cpu->insert(s.keys.data(), s.slots.data(), static_cast<int64_t>(s.slots.size()));
+    gpu->insert(s.keys.data(), s.slots.data(), static_cast<int64_t>(s.slots.size()));
+    SelectionParams sel;
+    const auto q = int_q(static_cast<int64_t>(s.req.seq_lens.size()) * 8, 4, 5);
+    const DecodeBatch db = host_batch(s.req, q, 4, 8);
+    StepStats st;
+    EXPECT_EQ(gpu->decode(db, sel, &st), cpu->decode(db, sel)) << c.json << " tp " << c.tp << " decode";
+    EXPECT_GT(st.wall_us, 0);
+    const PrefillBatch pb = host_prefill(s);
+    EXPECT_EQ(gpu->prefill(pb, sel), cpu->prefill(pb, sel)) << c.json << " tp " << c.tp << " prefill";
+    if (!rc.sharding) {
+      const auto gs = gpu->decode_scores(db), cs = cpu->decode_scores(db);
+      ASSERT_EQ(gs.size(), cs.size());
+      EXPECT_EQ(gs, cs) << "exact data: scores identical";
+    }
+    // refusals: same messages as the CPU
+    auto bad = s.slots;
+    bad[3] = bad[4];
+    std::string cm, gm;
+    try { cpu->insert(s.keys.data(), bad.data(), static_cast<int64_t>(bad.size())); } catch (const Error& e) { cm = e.what(); }
+    try { gpu->insert(s.keys.data(), bad.data(), static_cast<int64_t>(bad.size())); } catch (const Error& e) { gm = e.what(); }
+    EXPECT_FALSE(gm.empty());
+    EXPECT_EQ(gm, cm);
+  }
+}

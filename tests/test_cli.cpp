@@ -1,0 +1,343 @@
+// The indexcp command itself: exit codes, one-line error messages, nothing written on failure,
+// the run report's fields, replay through the command, capacity and config.
+#include <gtest/gtest.h>
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "indexcp/cache.hpp"
+#include "indexcp/npy.hpp"
+
+#ifndef INDEXCP_CLI_PATH
+#error "INDEXCP_CLI_PATH must name the built indexcp executable"
+#endif
+
+using namespace indexcp;
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+namespace {
+
+fs::path temp_dir() {
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  const fs::path d = fs::temp_directory_path() /
+                     ("indexcp_cli_" + std::to_string(::getpid()) + "_" + info->test_suite_name() + "_" + info->name());
+  fs::remove_all(d);
+  fs::create_directories(d);
+  return d;
+}
+
+std::string slurp(const fs::path& p) {
+  std::ifstream in(p);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+struct Result {
+  int status = -1;
+  std::string out, err;
+};
+
+// Runs `indexcp ARGS` (ARGS already shell-quoted) with stdout/stderr captured.
+Result run(const std::string& args, const fs::path& dir) {
+  const fs::path o = dir / "stdout.txt", e = dir / "stderr.txt";
+  const std::string cmd = std::string("'") + INDEXCP_CLI_PATH + "' " + args + " >'" + o.string() + "' 2>'" + e.string() + "'";
+  const int rc = std::system(cmd.c_str());
+  Result r;
+  r.status = WIFEXITED(rc) ? WEXITSTATUS(rc) : 128 + (WIFSIGNALED(rc) ? WTERMSIG(rc) : 0);
+  r.out = slurp(o);
+  r.err = slurp(e);
+  return r;
+}
+
+std::string q(const fs::path& p) { return "'" + p.string() + "'"; }
+
+// The failure contract: the given status and exactly one line "indexcp: error: ..." containing
+// every needle.
+void expect_error(const Result& r, int status, const std::vector<std::string>& needles) {
+  EXPECT_EQ(r.status, status) << r.err;
+  EXPECT_EQ(r.err.rfind("indexcp: error: ", 0), 0u) << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  for (const auto& n : needles) EXPECT_NE(r.err.find(n), std::string::npos) << "missing '" << n << "' in: " << r.err;
+  EXPECT_EQ(r.err.find("terminate"), std::string::npos);
+}
+
+// A small data directory: keys float16 [R, T, 128], queries float16 [R, Qn, H, 128], meta.json.
+void write_data(const fs::path& dir, int R, int T, int Qn, int H) {
+  fs::create_directories(dir);
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<uint16_t> k(static_cast<size_t>(R) * T * 128), qv(static_cast<size_t>(R) * Qn * H * 128);
+  for (auto& x : k) x = npy::float_to_half(nd(rng));
+  for (auto& x : qv) x = npy::float_to_half(nd(rng));
+  npy::save((dir / "keys.npy").string(), npy::Dtype::kFloat16, {R, T, 128}, k.data());
+  npy::save((dir / "queries.npy").string(), npy::Dtype::kFloat16, {R, Qn, H, 128}, qv.data());
+  std::ofstream(dir / "meta.json") << R"({"name": "tiny_test_data", "licence": "test"})";
+}
+
+// A small decode case (nvfp4, sharding on, TP2, P128, Q4, H4).
+void write_case(const fs::path& dir) {
+  fs::create_directories(dir);
+  const int B = 2, P = 128, Q = 4, H = 4, max_pages = 9;
+  const std::vector<int32_t> lens = {1000, 300};
+  std::vector<int32_t> bt(B * max_pages, -1);
+  for (int i = 0; i < 8; ++i) bt[i] = 10 - i;  // request 0: pages 10..3
+  for (int i = 0; i < 3; ++i) bt[max_pages + i] = i;  // request 1: pages 0..2
+  const int64_t num_pages = 11;
+  std::mt19937 rng(9);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> keys(num_pages * P * 128), qv(static_cast<size_t>(B) * Q * H * 128);
+  for (auto& x : keys) x = nd(rng);
+  for (auto& x : qv) x = nd(rng);
+  std::ofstream(dir / "case.json") << json{{"phase", "decode"},
+                                           {"attention_config", {{"indexer_kv_dtype", "nvfp4"}, {"indexer_cache_sharding", "on"}}},
+                                           {"tp", 2},
+                                           {"page_size", P},
+                                           {"heads", H},
+                                           {"topk", 16},
+                                           {"init_blocks", 0},
+                                           {"local_blocks", 1},
+                                           {"query_len", Q}}
+                                          .dump(2);
+  npy::save((dir / "block_table.npy").string(), {B, max_pages}, bt.data());
+  npy::save((dir / "seq_lens.npy").string(), {B}, lens.data());
+  npy::save((dir / "keys.npy").string(), {num_pages * P, 128}, keys.data());
+  npy::save((dir / "q.npy").string(), {B * Q, H, 128}, qv.data());
+}
+
+}  // namespace
+
+TEST(Cli, VersionAndHelp) {
+  const fs::path d = temp_dir();
+  auto r = run("--version", d);
+  EXPECT_EQ(r.status, 0);
+  EXPECT_EQ(r.out.rfind("indexcp ", 0), 0u) << r.out;
+  r = run("run --help", d);
+  EXPECT_EQ(r.status, 0);
+  EXPECT_NE(r.out.find("--prefill-tokens"), std::string::npos);
+  EXPECT_NE(r.out.find("--synthetic"), std::string::npos);
+  r = run("replay --help", d);
+  EXPECT_EQ(r.status, 0);
+  EXPECT_NE(r.out.find("--scores"), std::string::npos);
+  fs::remove_all(d);
+}
+
+TEST(Cli, WrongFlagsAndValues) {
+  const fs::path d = temp_dir();
+  expect_error(run("", d), 2, {"subcommand"});
+  expect_error(run("frobnicate", d), 2, {"frobnicate"});
+  expect_error(run("run --bogus", d), 2, {"--bogus"});
+  expect_error(run("run --tp 3", d), 2, {"--tp", "3"});
+  expect_error(run("run --page-size 64", d), 2, {"--page-size", "64"});
+  expect_error(run("run --kv-dtype fp4", d), 2, {"--kv-dtype", "fp4"});
+  expect_error(run("run --query-len 17", d), 2, {"--query-len", "17"});
+  expect_error(run("run --steps abc", d), 2, {"--steps"});
+  expect_error(run("run --synthetic --tokens 100 --requests 1", d), 2, {"--prefill-tokens", "--tokens 100"});
+  expect_error(run("run --synthetic --keys x.npy --queries y.npy", d), 2, {"--synthetic"});
+  expect_error(run("run --keys x.npy", d), 2, {"--keys and --queries"});
+  expect_error(run("capacity --tp 3", d), 2, {"--tp"});
+  expect_error(run("capacity --budget-gib -1", d), 2, {"--budget-gib"});
+  expect_error(run("capacity --budget-gib 10 --budget-bytes 100", d), 2, {"--budget"});
+  expect_error(run("capacity --model gpt-9", d), 2, {"--model", "minimax-m3"});
+  expect_error(run("config --tp 2 --page-size 128", d), 2, {"--attention-config"});
+  expect_error(run("replay", d), 2, {"CASE_DIR"});
+  expect_error(run("replay " + q(d) + " --backend tpu --out " + q(d / "o"), d), 2, {"--backend"});
+  EXPECT_FALSE(fs::exists(d / "o"));
+  fs::remove_all(d);
+}
+
+TEST(Cli, MissingCorruptAndMistypedFiles) {
+  const fs::path d = temp_dir();
+  // missing
+  expect_error(run("run --keys " + q(d / "nope.npy") + " --queries " + q(d / "nope2.npy"), d), 2,
+               {"nope.npy", "no such file"});
+  expect_error(run("run --data " + q(d / "nodata"), d), 2, {"nodata", "no such data directory"});
+  expect_error(run("capacity --model " + q(d / "model.json"), d), 2, {"model.json", "no such file"});
+  // corrupt
+  write_data(d / "data", 1, 512, 64, 4);
+  { std::ofstream(d / "garbage.npy") << "this is not a npy file"; }
+  expect_error(run("run --keys " + q(d / "garbage.npy") + " --queries " + q(d / "data" / "queries.npy"), d), 2,
+               {"garbage.npy", "bad magic"});
+  {
+    const auto bytes = slurp(d / "data" / "keys.npy");
+    std::ofstream(d / "short.npy", std::ios::binary) << bytes.substr(0, bytes.size() - 100);
+  }
+  expect_error(run("run --keys " + q(d / "short.npy") + " --queries " + q(d / "data" / "queries.npy"), d), 2,
+               {"short.npy", "truncated"});
+  // wrong dtype / shape
+  std::vector<int32_t> ints(512 * 128, 1);
+  npy::save((d / "ints.npy").string(), {1, 512, 128}, ints.data());
+  expect_error(run("run --keys " + q(d / "ints.npy") + " --queries " + q(d / "data" / "queries.npy"), d), 2,
+               {"ints.npy", "dtype is int32"});
+  std::vector<float> f(512 * 64, 1.0f);
+  npy::save((d / "k64.npy").string(), {1, 512, 64}, f.data());
+  expect_error(run("run --keys " + q(d / "k64.npy") + " --queries " + q(d / "data" / "queries.npy"), d), 2,
+               {"k64.npy", "must be [requests, tokens, 128]"});
+  // model JSON with an unknown key
+  { std::ofstream(d / "m.json") << R"({"layers": 2, "sparse_layers": 1, "q_heads": 8, "kv_heads": 2, "head_dim": 128, "index_heads": 4, "index_dim": 128, "bogus": 1})"; }
+  expect_error(run("capacity --model " + q(d / "m.json"), d), 2, {"bogus"});
+  // --json into a missing directory: refused up front, nothing written
+  expect_error(run("capacity --json " + q(d / "nodir" / "c.json"), d), 2, {"nodir", "does not exist"});
+  expect_error(run("run --synthetic --json " + q(d / "nodir" / "r.json"), d), 2, {"nodir"});
+  EXPECT_FALSE(fs::exists(d / "nodir"));
+  fs::remove_all(d);
+}
+
+TEST(Cli, ConfigPrintsTheResolvedConfigOrTheRefusal) {
+  const fs::path d = temp_dir();
+  auto r = run(R"(config --attention-config '{"indexer_kv_dtype": "nvfp4", "indexer_cache_sharding": "on"}' --tp 4 --page-size 128)", d);
+  ASSERT_EQ(r.status, 0) << r.err;
+  const json j = json::parse(r.out);
+  EXPECT_EQ(j["indexer_cache_sharding"], "on");
+  EXPECT_EQ(j["index_bytes_per_token_per_layer_per_rank"], 18);
+  { std::ofstream(d / "ac.json") << R"({"indexer_kv_dtype": "fp8", "indexer_decode_cp": true, "indexer_cache_sharding": "on"})"; }
+  r = run("config --attention-config @" + q(d / "ac.json") + " --tp 4 --page-size 256 --query-len 8 --speculative-method dspark", d);
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_FALSE(json::parse(r.out)["notes"].empty());
+  expect_error(run(R"(config --attention-config '{"indexer_kv_dtype": "bf16", "indexer_cache_sharding": "on"}' --tp 2 --page-size 128)", d),
+               2, {"indexer_kv_dtype", "bf16"});
+  expect_error(run(R"(config --attention-config '{"indexer_kv_dtype": "nvfp4", "indexer_cache_sharding": "on"}' --tp 2 --page-size 128 --kv-connector)", d),
+               2, {});
+  expect_error(run(R"(config --attention-config '{"indexer_cache_sharding": "on"}' --tp 8 --page-size 64)", d), 2, {});
+  expect_error(run(R"(config --attention-config '{"no_such_key": 1}' --tp 2 --page-size 128)", d), 2, {"no_such_key"});
+  expect_error(run(R"(config --attention-config '{not json' --tp 2 --page-size 128)", d), 2, {"--attention-config"});
+  fs::remove_all(d);
+}
+
+TEST(Cli, CapacityReportsOffOnAndTheUpstreamReference) {
+  const fs::path d = temp_dir();
+  auto r = run("capacity --json " + q(d / "cap.json"), d);
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("5,492,736"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("6,030,720"), std::string::npos);
+  EXPECT_NE(r.out.find("x1.098"), std::string::npos);
+  EXPECT_NE(r.out.find("sharding on"), std::string::npos);
+  const json j = json::parse(slurp(d / "cap.json"));
+  EXPECT_GT(j["on"]["tokens"].get<int64_t>(), j["off"]["tokens"].get<int64_t>());
+  EXPECT_EQ(j["off"]["index_bytes_per_token"], 57 * 72);
+  EXPECT_EQ(j["on"]["index_bytes_per_token"], 57 * 36);
+  EXPECT_EQ(j["tp"], 2);
+  EXPECT_NEAR(j["ratio"].get<double>(), 1.098, 0.03);
+  { std::ofstream(d / "m.json") << R"({"layers": 2, "sparse_layers": 1, "q_heads": 8, "kv_heads": 2, "head_dim": 128, "index_heads": 4, "index_dim": 128})"; }
+  r = run("capacity --model " + q(d / "m.json") + " --budget-bytes 1000000000 --tp 4 --page-size 256 --kv-dtype fp8 --index-dtype fp8", d);
+  EXPECT_EQ(r.status, 0) << r.err;
+  fs::remove_all(d);
+}
+
+TEST(Cli, RunSyntheticReportHasEveryField) {
+  const fs::path d = temp_dir();
+  const auto r = run("run --synthetic --requests 2 --tokens 2304 --prefill-tokens 16 --steps 2 --query-len 4 "
+                     "--tp 1,2,4 --page-size 128 --kv-dtype nvfp4,fp8 --backend cpu --json " + q(d / "r.json"), d);
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("sel==repl"), std::string::npos) << r.out;
+  EXPECT_NE(r.err.find("[12/12]"), std::string::npos) << "progress lines on stderr: " << r.err;
+  const json j = json::parse(slurp(d / "r.json"));
+  EXPECT_EQ(j["backend"], "cpu");
+  EXPECT_EQ(j["data"]["source"], "synthetic");
+  EXPECT_TRUE(j["data"]["name"].is_string());
+  EXPECT_EQ(j["data"]["tokens"], 2 * 2304);
+  EXPECT_EQ(j["workload"]["prefill_tokens_per_request"], 16);
+  EXPECT_EQ(j["workload"]["decode_steps"], 2);
+  EXPECT_EQ(j["all_selections_equal_replicated"], true);
+  ASSERT_EQ(j["configs"].size(), 12u);
+  for (const auto& c : j["configs"]) {
+    for (const char* k : {"kv_dtype", "page_size", "tp", "sharding", "bytes_per_token_per_layer_per_rank",
+                          "selections_equal_replicated", "recall_vs_fp32", "us_per_layer_per_rank"})
+      EXPECT_TRUE(c.contains(k)) << k;
+    EXPECT_EQ(c["selections_equal_replicated"], true) << c.dump();
+    const double rec = c["recall_vs_fp32"];
+    EXPECT_GT(rec, 0.3);
+    EXPECT_LE(rec, 1.0);
+    EXPECT_GT(c["us_per_layer_per_rank"].get<double>(), 0.0);
+    const int W = c["tp"];
+    const bool on = c["sharding"] == "on";
+    const int per = c["kv_dtype"] == "nvfp4" ? 72 : 128;
+    EXPECT_EQ(c["bytes_per_token_per_layer_per_rank"], on ? per / W : per) << c.dump();
+  }
+  // 72 / 36 / 18 for NVFP4 at W = 1 / 2 / 4
+  std::map<int, int> nvfp4_on;
+  for (const auto& c : j["configs"])
+    if (c["kv_dtype"] == "nvfp4" && c["sharding"] == "on") nvfp4_on[c["tp"]] = c["bytes_per_token_per_layer_per_rank"];
+  EXPECT_EQ(nvfp4_on, (std::map<int, int>{{1, 72}, {2, 36}, {4, 18}}));
+  EXPECT_GT(j["capacity"]["on"]["tokens"].get<int64_t>(), j["capacity"]["off"]["tokens"].get<int64_t>());
+  EXPECT_EQ(j["capacity"]["tp"], 2);
+  EXPECT_EQ(j["capacity"]["page_size"], 128);
+  EXPECT_EQ(j["capacity"]["kv_dtype"], "nvfp4");
+  EXPECT_TRUE(j["capacity"].contains("budget_bytes"));
+  fs::remove_all(d);
+}
+
+TEST(Cli, RunOnADataDirectory) {
+  const fs::path d = temp_dir();
+  write_data(d / "data", 2, 2200, 40, 4);
+  auto r = run("run -q --data " + q(d / "data") + " --tp 2 --kv-dtype nvfp4 --page-size 256 --prefill-tokens 16 "
+               "--steps 2 --json " + q(d / "r.json"), d);
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_TRUE(r.err.empty()) << r.err;
+  json j = json::parse(slurp(d / "r.json"));
+  EXPECT_EQ(j["data"]["source"], "real");
+  EXPECT_EQ(j["data"]["name"], "tiny_test_data");
+  EXPECT_EQ(j["data"]["tokens_per_request"], 2200);
+  EXPECT_EQ(j["workload"]["inserted_directly_per_request"], 2200 - 16 - 16);
+  ASSERT_EQ(j["configs"].size(), 2u);
+  EXPECT_EQ(j["configs"][1]["bytes_per_token_per_layer_per_rank"], 36);
+  EXPECT_EQ(j["configs"][1]["selections_equal_replicated"], true);
+  // too many query positions for the stored queries
+  expect_error(run("run --data " + q(d / "data") + " --prefill-tokens 32 --steps 2", d), 2,
+               {"queries.npy", "last 40 positions"});
+  // a shorter window of the same data
+  r = run("run -q --data " + q(d / "data") + " --tokens 1500 --tp 4 --kv-dtype fp8 --page-size 128 --prefill-tokens 8 --steps 1 "
+          "--json " + q(d / "r2.json"), d);
+  ASSERT_EQ(r.status, 0) << r.err;
+  j = json::parse(slurp(d / "r2.json"));
+  EXPECT_EQ(j["workload"]["window_start_in_data"], 700);
+  EXPECT_EQ(j["configs"][1]["bytes_per_token_per_layer_per_rank"], 32);
+  fs::remove_all(d);
+}
+
+TEST(Cli, ReplayThroughTheCommand) {
+  const fs::path d = temp_dir();
+  write_case(d / "case");
+  auto r = run("replay " + q(d / "case") + " --out " + q(d / "out") + " --backend cpu --scores", d);
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_TRUE(fs::exists(d / "out" / "topk.npy"));
+  EXPECT_TRUE(fs::exists(d / "out" / "scores.npy"));
+  const json rep = json::parse(slurp(d / "out" / "report.json"));
+  EXPECT_EQ(rep["selections_equal_replicated"], true);
+  EXPECT_EQ(rep["backend"], "cpu");
+  EXPECT_EQ(rep["config"]["indexer_cache_sharding"], "on");
+  // expected_topk that differs at one (row, head): exit 4, one line naming row and head
+  const auto topk = npy::load((d / "out" / "topk.npy").string());
+  std::vector<int32_t> e(topk.data<int32_t>(), topk.data<int32_t>() + topk.size());
+  e[(5 * 4 + 3) * 16 + 0] += 1;
+  npy::save((d / "case" / "expected_topk.npy").string(), {8, 4, 16}, e.data());
+  r = run("replay " + q(d / "case") + " --out " + q(d / "out2"), d);
+  expect_error(r, 4, {"expected_topk.npy differs at row 5, head 3: expected [", "] vs got ["});
+  fs::remove(d / "case" / "expected_topk.npy");
+  // an invalid case: exit 2, the file named, nothing written
+  std::vector<float> bad(8 * 4 * 128, 0.5f);
+  bad[3] = std::nanf("");
+  npy::save((d / "case" / "q.npy").string(), {8, 4, 128}, bad.data());
+  r = run("replay " + q(d / "case") + " --out " + q(d / "out3"), d);
+  expect_error(r, 2, {"q.npy", "NaN at row 0, head 0, dim 3"});
+  EXPECT_FALSE(fs::exists(d / "out3"));
+  { std::ofstream(d / "case" / "q.npy", std::ios::trunc) << "\x93NUMPY"; }
+  r = run("replay " + q(d / "case") + " --out " + q(d / "out3"), d);
+  expect_error(r, 2, {"q.npy"});
+  EXPECT_FALSE(fs::exists(d / "out3"));
+  r = run("replay " + q(d / "missing") + " --out " + q(d / "out3"), d);
+  expect_error(r, 2, {"missing", "no such case directory"});
+  EXPECT_FALSE(fs::exists(d / "out3"));
+  fs::remove_all(d);
+}
