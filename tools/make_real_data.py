@@ -303,33 +303,6 @@ def save_npy(path: str, a: np.ndarray) -> str:
     return sha256_file(path)
 
 
-def block_score_stats(keys, queries):
-    """Last query position: per (request, head) block maxima of q.k over the 257 history blocks."""
-    out = []
-    k32 = keys.astype(np.float32)
-    q32 = queries.astype(np.float32)
-    n_hist = (N_TOKENS - 1) // BLOCK  # blocks strictly before the query's own block
-    for r in range(k32.shape[0]):
-        row = []
-        for h in range(q32.shape[2]):
-            d = k32[r, : n_hist * BLOCK] @ q32[r, -1, h]
-            bmax = d.reshape(n_hist, BLOCK).max(1)
-            srt = np.sort(bmax)[::-1]
-            # share of softmax-free "mass": top-15 block maxima after shifting by the median
-            shifted = np.maximum(bmax - np.median(bmax), 0)
-            top15 = np.sort(shifted)[::-1][:15].sum() / max(shifted.sum(), 1e-30)
-            e = np.exp((bmax - bmax.max()) / np.sqrt(128.0))
-            sm15 = np.sort(e)[::-1][:15].sum() / e.sum()
-            row.append({
-                "max": float(srt[0]), "15th": float(srt[14]), "median": float(np.median(bmax)),
-                "min": float(srt[-1]), "top15_share_above_median": float(top15),
-                "top15_softmax_share": float(sm15),
-                "z_of_15th": float((srt[14] - bmax.mean()) / bmax.std()),
-            })
-        out.append(row)
-    return out
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
@@ -452,13 +425,9 @@ def main():
         os.replace(os.path.join(tmp, fn), os.path.join(out, fn))
     os.rmdir(tmp)
 
-    stats = block_score_stats(keys.astype(np.float16).astype(np.float64),
-                              queries.astype(np.float16).astype(np.float64))
     print(f"wrote {out} in {time.time() - t0:.1f}s")
     print(f"keys.npy {sha_k}\nqueries.npy {sha_q}")
-    for r, row in enumerate(stats):
-        print(f"request {r}: top-15 softmax share (last query, per head) "
-              + " ".join(f"{s['top15_softmax_share']:.3f}" for s in row))
+    print("sanity report: python3 tools/check_real_data.py")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ do_build() {
   log "build: configure + ninja ($BUILD_DIR)"
   { cmake -S . -B "$BUILD_DIR" -G Ninja -DINDEXCP_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a -DCMAKE_BUILD_TYPE=Release \
       -DINDEXCP_BUILD_CLI=OFF -DINDEXCP_SHARED_DIR="$INDEXCP_SHARED_DIR" &&
-    timeout 420 nice -n 10 ninja -C "$BUILD_DIR" -j "$JOBS" test_gpu indexcp_bench_decode; } > "$OUT/build.log" 2>&1
+    timeout "${BUILD_TIMEOUT:-420}" nice -n 10 ninja -C "$BUILD_DIR" -j "$JOBS" test_gpu indexcp_bench_decode; } > "$OUT/build.log" 2>&1
   local rc=$?
   log "build rc=$rc"
   return $rc
@@ -47,12 +47,12 @@ do_sanitize() {
   [ -n "${PREBUILT:-}" ] && bin=build-carry/test_gpu
   local f='GpuCases.*:GpuGraph.*:GpuDecode.ExactData*:GpuDecode.SelectionIsExact*:All/GpuIcp.*/4:All/GpuIcp.*/20:All/GpuIcp.*/14:GpuInsert.Refusals*:GpuQCast.*:GpuPrefill.PrefillEquals*:GpuStage.*:-GpuCases.C07*'
   log "memcheck: $f"
-  timeout 420 compute-sanitizer --tool memcheck --error-exitcode 9 "$bin" --gtest_filter="$f" --gtest_color=no \
+  timeout "${MEMCHECK_TIMEOUT:-420}" compute-sanitizer --tool memcheck --error-exitcode 9 "$bin" --gtest_filter="$f" --gtest_color=no \
     > "$OUT/memcheck.log" 2>&1
   log "memcheck rc=$? $(grep -E 'ERROR SUMMARY|PASSED|FAILED' "$OUT/memcheck.log" | tr '\n' ' ')"
   local r='GpuDecode.ExactData*:All/GpuIcp.*/4:GpuGraph.*:GpuPrefill.PrefillEquals*:GpuInsert.Refusals*'
   log "racecheck: $r"
-  timeout 420 compute-sanitizer --tool racecheck --error-exitcode 9 "$bin" --gtest_filter="$r" --gtest_color=no \
+  timeout "${RACECHECK_TIMEOUT:-420}" compute-sanitizer --tool racecheck --error-exitcode 9 "$bin" --gtest_filter="$r" --gtest_color=no \
     > "$OUT/racecheck.log" 2>&1
   log "racecheck rc=$? $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY|PASSED|FAILED' "$OUT/racecheck.log" | tr '\n' ' ')"
 }

@@ -141,9 +141,11 @@ void prefill_select(const DeviceCache& cache, int32_t layer, const PrefillBatch&
 
 /// ICP decode over a sharded cache: score all heads over this rank's rows, publish, all-gather
 /// through comm, merge this rank's owned heads. out int32 [rows, owned heads, K].
+/// `p256_stock` (INDEXCP_P256_STOCK_DECODE): at P = 256, W = 2 the shard pages are whole stock
+/// pages and are scored by the stock scorer; false keeps the general one (identical bits).
 void icp_decode(Communicator& comm, const DeviceCache& shard, int32_t layer,
                 const DecodeBatch& batch, const SelectionParams& sel, KRounding mode, int32_t* out,
-                Stream stream, bool validate = true);
+                Stream stream, bool validate = true, bool p256_stock = true);
 
 /// Decode CP over a replicated cache: rank r scores blocks b % W == r, then as icp_decode.
 void decode_cp_replicated(Communicator& comm, const DeviceCache& cache, int32_t layer,

@@ -103,8 +103,8 @@ static void insert_impl(IndexCache& cache, int32_t layer, const float* keys,
   if (num_tokens == 0) return;
   INDEXCP_REQUIRE(keys != nullptr, "keys is null");
   INDEXCP_REQUIRE(slot_mapping != nullptr, "slot_mapping is null");
-  if (cache.layout().dtype == KvDtype::kNvfp4)
-    INDEXCP_REQUIRE(fmt::is_finite(opts.encode_scale) && opts.encode_scale > 0.0f,
+  // S shapes only NVFP4 bytes, but a bad S is refused for every dtype (docs/decisions.md)
+  INDEXCP_REQUIRE(fmt::is_finite(opts.encode_scale) && opts.encode_scale > 0.0f,
             "encode_scale = " + std::to_string(opts.encode_scale) +
                 " is invalid: the NVFP4 encode scale S must be finite and > 0");
   INDEXCP_REQUIRE(!opts.pre.rope || opts.pre.positions != nullptr, "rope is on but positions is null");

@@ -46,14 +46,14 @@ template <class T>
 std::vector<T> to_host(const T* dev, size_t n, const char* what) {
   std::vector<T> h(n);
   if (n) {
-    require(dev != nullptr, std::string(what) + " is null");
+    INDEXCP_REQUIRE(dev != nullptr, std::string(what) + " is null");
     check(cudaMemcpy(h.data(), dev, n * sizeof(T), cudaMemcpyDeviceToHost), what);
   }
   return h;
 }
 
 void check_layer(const DeviceCache& c, int32_t layer) {
-  require(layer >= 0 && layer < c.num_layers(),
+  INDEXCP_REQUIRE(layer >= 0 && layer < c.num_layers(),
           "layer = " + std::to_string(layer) + " is outside [0, " + std::to_string(c.num_layers()) + ")");
 }
 
@@ -64,21 +64,21 @@ void check_not_bf16(const DeviceCache& c) {
 }
 
 void check_head_range(int32_t heads, int32_t h0, int32_t nh) {
-  require(heads >= 1 && heads <= 64, "heads = " + std::to_string(heads) + " is out of range 1..64");
-  require(h0 >= 0 && nh >= 1 && h0 + nh <= heads, "head range [" + std::to_string(h0) + ", " +
+  INDEXCP_REQUIRE(heads >= 1 && heads <= 64, "heads = " + std::to_string(heads) + " is out of range 1..64");
+  INDEXCP_REQUIRE(h0 >= 0 && nh >= 1 && h0 + nh <= heads, "head range [" + std::to_string(h0) + ", " +
                                                       std::to_string(h0 + nh) + ") is outside the batch's " +
                                                       std::to_string(heads) + " heads");
 }
 
 void check_decode_shape(const DecodeBatch& b) {
-  require(b.query_len >= 1 && b.query_len <= 16, "query_len = " + std::to_string(b.query_len) + " is out of range 1..16");
-  require(b.num_requests >= 0, "num_requests = " + std::to_string(b.num_requests) + " must be >= 0");
-  require(b.max_pages >= 0, "max_pages = " + std::to_string(b.max_pages) + " must be >= 0");
-  require(b.heads >= 1 && b.heads <= 64, "heads = " + std::to_string(b.heads) + " is out of range 1..64");
+  INDEXCP_REQUIRE(b.query_len >= 1 && b.query_len <= 16, "query_len = " + std::to_string(b.query_len) + " is out of range 1..16");
+  INDEXCP_REQUIRE(b.num_requests >= 0, "num_requests = " + std::to_string(b.num_requests) + " must be >= 0");
+  INDEXCP_REQUIRE(b.max_pages >= 0, "max_pages = " + std::to_string(b.max_pages) + " must be >= 0");
+  INDEXCP_REQUIRE(b.heads >= 1 && b.heads <= 64, "heads = " + std::to_string(b.heads) + " is out of range 1..64");
   if (b.num_requests > 0) {
-    require(b.seq_lens != nullptr, "seq_lens is null");
-    require(b.q != nullptr, "q is null");
-    require(b.max_pages == 0 || b.block_table != nullptr, "block_table is null");
+    INDEXCP_REQUIRE(b.seq_lens != nullptr, "seq_lens is null");
+    INDEXCP_REQUIRE(b.q != nullptr, "q is null");
+    INDEXCP_REQUIRE(b.max_pages == 0 || b.block_table != nullptr, "block_table is null");
   }
 }
 
@@ -132,16 +132,16 @@ struct HostPrefill {
 };
 
 HostPrefill read_prefill(const PrefillBatch& b, int64_t num_pages, int32_t page_size) {
-  require(b.num_requests >= 0, "num_requests = " + std::to_string(b.num_requests) + " must be >= 0");
-  require(b.max_pages >= 0, "max_pages = " + std::to_string(b.max_pages) + " must be >= 0");
-  require(b.heads >= 1 && b.heads <= 64, "heads = " + std::to_string(b.heads) + " is out of range 1..64");
+  INDEXCP_REQUIRE(b.num_requests >= 0, "num_requests = " + std::to_string(b.num_requests) + " must be >= 0");
+  INDEXCP_REQUIRE(b.max_pages >= 0, "max_pages = " + std::to_string(b.max_pages) + " must be >= 0");
+  INDEXCP_REQUIRE(b.heads >= 1 && b.heads <= 64, "heads = " + std::to_string(b.heads) + " is out of range 1..64");
   HostPrefill h;
-  if (b.num_requests > 0) require(b.query_start != nullptr, "query_start is null");
+  if (b.num_requests > 0) INDEXCP_REQUIRE(b.query_start != nullptr, "query_start is null");
   h.query_start = to_host(b.query_start, static_cast<size_t>(b.num_requests) + 1, "query_start (device to host)");
   h.seq_lens = to_host(b.seq_lens, static_cast<size_t>(b.num_requests), "seq_lens (device to host)");
   h.block_table = to_host(b.block_table, static_cast<size_t>(b.num_requests) * b.max_pages, "block_table (device to host)");
   const int64_t rows = b.num_requests ? h.query_start.back() : 0;
-  require(rows >= 0, "query_start[num_requests] = " + std::to_string(rows) + " is negative");
+  INDEXCP_REQUIRE(rows >= 0, "query_start[num_requests] = " + std::to_string(rows) + " is negative");
   h.q = to_host(b.q, static_cast<size_t>(rows) * b.heads * kHeadDim, "q (device to host)");
   PrefillBatch hb = b;
   hb.q = h.q.data();
@@ -169,12 +169,12 @@ RowsView prefill_rows_view(const PrefillBatch& b, int64_t rows) {
 
 void check_group(const Communicator& comm, const DeviceCache& c, bool sharded) {
   if (sharded) {
-    require(c.layout().shards == comm.world(), "shard has shards = " + std::to_string(c.layout().shards) +
+    INDEXCP_REQUIRE(c.layout().shards == comm.world(), "shard has shards = " + std::to_string(c.layout().shards) +
                                                    " but the communicator has world = " + std::to_string(comm.world()));
-    require(c.rank() == comm.rank(), "shard is rank " + std::to_string(c.rank()) + "'s but the communicator is rank " +
+    INDEXCP_REQUIRE(c.rank() == comm.rank(), "shard is rank " + std::to_string(c.rank()) + "'s but the communicator is rank " +
                                          std::to_string(comm.rank()) + "'s");
   } else {
-    require(c.layout().shards == 1,
+    INDEXCP_REQUIRE(c.layout().shards == 1,
             "cache is sharded (shards = " + std::to_string(c.layout().shards) + "); decode CP needs a replicated cache");
   }
 }
@@ -245,10 +245,10 @@ std::string device_name() {
 DeviceCache::DeviceCache(const PageLayout& layout, int64_t num_pages, int32_t num_layers, int32_t rank)
     : num_pages_(num_pages), num_layers_(num_layers), rank_(rank) {
   layout_ = make_page_layout(layout.dtype, layout.page_size, layout.shards, layout.page_stride);
-  require(num_pages >= 1, "num_pages = " + std::to_string(num_pages) + " must be >= 1");
-  require(num_pages < (int64_t{1} << 31), "num_pages = " + std::to_string(num_pages) + " must fit in int32 (page ids)");
-  require(num_layers >= 1 && num_layers <= 4096, "num_layers = " + std::to_string(num_layers) + " must be in 1..4096");
-  require(rank >= 0 && rank < layout_.shards,
+  INDEXCP_REQUIRE(num_pages >= 1, "num_pages = " + std::to_string(num_pages) + " must be >= 1");
+  INDEXCP_REQUIRE(num_pages < (int64_t{1} << 31), "num_pages = " + std::to_string(num_pages) + " must fit in int32 (page ids)");
+  INDEXCP_REQUIRE(num_layers >= 1 && num_layers <= 4096, "num_layers = " + std::to_string(num_layers) + " must be in 1..4096");
+  INDEXCP_REQUIRE(rank >= 0 && rank < layout_.shards,
           "rank = " + std::to_string(rank) + " must be in [0, shards = " + std::to_string(layout_.shards) + ")");
   const int64_t bytes = size_bytes();
   ensure_tables();
@@ -286,7 +286,7 @@ DeviceCache& DeviceCache::operator=(DeviceCache&& o) noexcept {
 }
 
 static void check_same_geometry(const DeviceCache& d, const IndexCache& h) {
-  require(h.layout().dtype == d.layout().dtype && h.layout().page_size == d.layout().page_size &&
+  INDEXCP_REQUIRE(h.layout().dtype == d.layout().dtype && h.layout().page_size == d.layout().page_size &&
               h.layout().shards == d.layout().shards && h.layout().page_stride == d.layout().page_stride &&
               h.num_pages() == d.num_pages() && h.num_layers() == d.num_layers() && h.rank() == d.rank(),
           "host cache geometry (layout, num_pages, num_layers, rank) differs from the device cache's");
@@ -322,16 +322,16 @@ std::vector<float> rope_table(const std::vector<int64_t>& positions, double thet
 void insert_impl(DeviceCache& cache, int32_t layer, const float* keys, const uint16_t* keys_bf16,
                  const int64_t* slot_mapping, int64_t n, const InsertOptions& opts, cudaStream_t st) {
   check_layer(cache, layer);
-  require(n >= 0, "num_tokens = " + std::to_string(n) + " must be >= 0");
+  INDEXCP_REQUIRE(n >= 0, "num_tokens = " + std::to_string(n) + " must be >= 0");
   if (n == 0) return;
-  require(keys != nullptr || keys_bf16 != nullptr, "keys is null");
-  require(slot_mapping != nullptr, "slot_mapping is null");
+  INDEXCP_REQUIRE(keys != nullptr || keys_bf16 != nullptr, "keys is null");
+  INDEXCP_REQUIRE(slot_mapping != nullptr, "slot_mapping is null");
   const PageLayout& l = cache.layout();
-  if (l.dtype == KvDtype::kNvfp4)
-    require(fmt::is_finite(opts.encode_scale) && opts.encode_scale > 0.0f,
-            "encode_scale = " + std::to_string(opts.encode_scale) +
-                " is invalid: the NVFP4 encode scale S must be finite and > 0");
-  require(!opts.pre.rope || opts.pre.positions != nullptr, "rope is on but positions is null");
+  // a bad S is refused for every dtype, as the CPU insert does (docs/decisions.md)
+  INDEXCP_REQUIRE(fmt::is_finite(opts.encode_scale) && opts.encode_scale > 0.0f,
+          "encode_scale = " + std::to_string(opts.encode_scale) +
+              " is invalid: the NVFP4 encode scale S must be finite and > 0");
+  INDEXCP_REQUIRE(!opts.pre.rope || opts.pre.positions != nullptr, "rope is on but positions is null");
   const int kb = key_bytes(l.dtype);
   Tmp<uint8_t> staged(static_cast<size_t>(n) * kb, st);
   Tmp<unsigned long long> err(1, st);
@@ -423,16 +423,16 @@ void insert_keys(DeviceCache& cache, int32_t layer, const float* keys, const int
 
 void insert_keys_bf16(DeviceCache& cache, int32_t layer, const uint16_t* keys, const int64_t* slot_mapping,
                       int64_t num_tokens, const InsertOptions& opts, Stream stream) {
-  require(num_tokens == 0 || keys != nullptr, "keys is null");
+  INDEXCP_REQUIRE(num_tokens == 0 || keys != nullptr, "keys is null");
   insert_impl(cache, layer, nullptr, keys, slot_mapping, num_tokens, opts, cs(stream));
 }
 
 void quantize_queries(const float* q, int64_t num_tokens, int32_t heads, const KeyPreprocess& pre, uint8_t* out,
                       Stream stream) {
-  require(heads >= 1 && heads <= 64, "heads = " + std::to_string(heads) + " is out of range 1..64");
-  require(num_tokens >= 0, "num_tokens must be >= 0");
-  require(num_tokens == 0 || (q != nullptr && out != nullptr), "q or out is null");
-  require(!pre.rope || pre.positions != nullptr, "rope is on but positions is null");
+  INDEXCP_REQUIRE(heads >= 1 && heads <= 64, "heads = " + std::to_string(heads) + " is out of range 1..64");
+  INDEXCP_REQUIRE(num_tokens >= 0, "num_tokens must be >= 0");
+  INDEXCP_REQUIRE(num_tokens == 0 || (q != nullptr && out != nullptr), "q or out is null");
+  INDEXCP_REQUIRE(!pre.rope || pre.positions != nullptr, "rope is on but positions is null");
   if (num_tokens == 0) return;
   const cudaStream_t st = cs(stream);
   Tmp<unsigned long long> err(1, st);
@@ -493,7 +493,7 @@ void decode_scores(const DeviceCache& cache, int32_t layer, const DecodeBatch& b
   if (validate) validate_decode_batch(batch, cache.num_pages(), cache.layout().page_size);
   const int64_t mb = max_blocks_of(batch.max_pages, cache.layout());
   const int64_t n = batch.rows() * nh * mb;
-  require(n == 0 || out != nullptr, "out is null");
+  INDEXCP_REQUIRE(n == 0 || out != nullptr, "out is null");
   launch_fill_neg_inf(out, n, cs(stream));
   launch_score(decode_score_launch(cache, layer, batch, h0, nh, mode, out, BlockFilter{}, true), cs(stream));
 }
@@ -503,14 +503,14 @@ void decode_select(const DeviceCache& cache, int32_t layer, const DecodeBatch& b
   sel.validate();
   check_layer(cache, layer);
   check_not_bf16(cache);
-  require(cache.layout().shards == 1, "cache is sharded (shards = " + std::to_string(cache.layout().shards) +
+  INDEXCP_REQUIRE(cache.layout().shards == 1, "cache is sharded (shards = " + std::to_string(cache.layout().shards) +
                                           "); decode_select needs a replicated cache, use icp_decode");
   check_decode_shape(batch);
   check_head_range(batch.heads, h0, nh);
   if (validate) validate_decode_batch(batch, cache.num_pages(), cache.layout().page_size);
   const int64_t rows = batch.rows();
   if (rows == 0) return;
-  require(out != nullptr, "out is null");
+  INDEXCP_REQUIRE(out != nullptr, "out is null");
   const cudaStream_t st = cs(stream);
   const int64_t mb = max_blocks_of(batch.max_pages, cache.layout());
   Tmp<float> scores(static_cast<size_t>(rows) * nh * mb, st);
@@ -532,13 +532,13 @@ void prefill_select(const DeviceCache& cache, int32_t layer, const PrefillBatch&
   sel.validate();
   check_layer(cache, layer);
   check_not_bf16(cache);
-  require(cache.layout().shards == 1, "cache is sharded (shards = " + std::to_string(cache.layout().shards) +
+  INDEXCP_REQUIRE(cache.layout().shards == 1, "cache is sharded (shards = " + std::to_string(cache.layout().shards) +
                                           "); prefill_select needs a replicated cache, use prefill_gather");
   check_head_range(batch.heads, h0, nh);
   const HostPrefill hp = read_prefill(batch, cache.num_pages(), cache.layout().page_size);
   const int64_t rows = static_cast<int64_t>(hp.rows.size());
   if (rows == 0) return;
-  require(out != nullptr, "out is null");
+  INDEXCP_REQUIRE(out != nullptr, "out is null");
   const cudaStream_t st = cs(stream);
   const int64_t mb = max_blocks_of(batch.max_pages, cache.layout());
   Tmp<float> scores(static_cast<size_t>(rows) * nh * mb, st);
@@ -570,7 +570,8 @@ void prefill_select(const DeviceCache& cache, int32_t layer, const PrefillBatch&
 }
 
 void icp_decode(Communicator& comm, const DeviceCache& shard, int32_t layer, const DecodeBatch& batch,
-                const SelectionParams& sel, KRounding mode, int32_t* out, Stream stream, bool validate) {
+                const SelectionParams& sel, KRounding mode, int32_t* out, Stream stream, bool validate,
+                bool p256_stock) {
   sel.validate();
   check_layer(shard, layer);
   check_not_bf16(shard);
@@ -578,9 +579,10 @@ void icp_decode(Communicator& comm, const DeviceCache& shard, int32_t layer, con
   check_decode_shape(batch);
   check_heads_tp(batch.heads, comm.world());
   if (validate) validate_decode_batch(batch, shard.num_pages(), shard.layout().page_size);
-  require(batch.rows() == 0 || out != nullptr, "out is null");
-  const ScoreLaunch sl = decode_score_launch(shard, layer, batch, 0, batch.heads, mode, nullptr, BlockFilter{},
-                                             shard.layout().rows() >= kBlockTokens);
+  INDEXCP_REQUIRE(batch.rows() == 0 || out != nullptr, "out is null");
+  const PageLayout& l = shard.layout();
+  const bool stock = l.rows() >= kBlockTokens && (p256_stock || !(l.page_size == 256 && l.shards == 2));
+  const ScoreLaunch sl = decode_score_launch(shard, layer, batch, 0, batch.heads, mode, nullptr, BlockFilter{}, stock);
   icp_select_device(comm, sl, shard, decode_rows_view(batch), sel, out, cs(stream));
 }
 
@@ -593,7 +595,7 @@ void decode_cp_replicated(Communicator& comm, const DeviceCache& cache, int32_t 
   check_decode_shape(batch);
   check_heads_tp(batch.heads, comm.world());
   if (validate) validate_decode_batch(batch, cache.num_pages(), cache.layout().page_size);
-  require(batch.rows() == 0 || out != nullptr, "out is null");
+  INDEXCP_REQUIRE(batch.rows() == 0 || out != nullptr, "out is null");
   const ScoreLaunch sl = decode_score_launch(cache, layer, batch, 0, batch.heads, mode, nullptr,
                                              BlockFilter{comm.world(), comm.rank()}, true);
   icp_select_device(comm, sl, cache, decode_rows_view(batch), sel, out, cs(stream));
@@ -604,14 +606,14 @@ void decode_cp_replicated(Communicator& comm, const DeviceCache& cache, int32_t 
 void stage_fp8(const DeviceCache& shard, int32_t layer, const int32_t* pages, int64_t num_pages, uint8_t* out,
                Stream stream, bool validate) {
   const PageLayout& l = shard.layout();
-  require(l.dtype != KvDtype::kBf16, "shard is a bf16 cache; FP8 staging needs fp8 or nvfp4");
+  INDEXCP_REQUIRE(l.dtype != KvDtype::kBf16, "shard is a bf16 cache; FP8 staging needs fp8 or nvfp4");
   check_layer(shard, layer);
-  require(num_pages >= 0, "num_pages = " + std::to_string(num_pages) + " must be >= 0");
-  require(num_pages == 0 || (pages != nullptr && out != nullptr), "pages or out is null");
+  INDEXCP_REQUIRE(num_pages >= 0, "num_pages = " + std::to_string(num_pages) + " must be >= 0");
+  INDEXCP_REQUIRE(num_pages == 0 || (pages != nullptr && out != nullptr), "pages or out is null");
   if (validate && num_pages > 0) {
     const auto p = to_host(pages, static_cast<size_t>(num_pages), "pages (device to host)");
     for (int64_t i = 0; i < num_pages; ++i)
-      require(p[i] >= 0 && p[i] < shard.num_pages(), "pages[" + std::to_string(i) + "] = " + std::to_string(p[i]) +
+      INDEXCP_REQUIRE(p[i] >= 0 && p[i] < shard.num_pages(), "pages[" + std::to_string(i) + "] = " + std::to_string(p[i]) +
                                                           " is outside [0, num_pages = " +
                                                           std::to_string(shard.num_pages()) + ")");
   }
@@ -624,13 +626,13 @@ GatherStats prefill_gather(Communicator& comm, const DeviceCache& shard, int32_t
   check_layer(shard, layer);
   check_group(comm, shard, true);
   const PageLayout& l = shard.layout();
-  require(l.dtype != KvDtype::kBf16, "shard is a bf16 cache; the gather needs fp8 or nvfp4");
+  INDEXCP_REQUIRE(l.dtype != KvDtype::kBf16, "shard is a bf16 cache; the gather needs fp8 or nvfp4");
   const HostPrefill hp = read_prefill(batch, shard.num_pages(), l.page_size);
   check_heads_tp(batch.heads, comm.world());
   const auto& rows = hp.rows;
-  require(rows.empty() || out != nullptr, "out is null");
+  INDEXCP_REQUIRE(rows.empty() || out != nullptr, "out is null");
   const int64_t unit = gather_unit_bytes(l);
-  require(budget_bytes >= unit, "indexer_prefill_gather_budget_mib gives " + std::to_string(budget_bytes) +
+  INDEXCP_REQUIRE(budget_bytes >= unit, "indexer_prefill_gather_budget_mib gives " + std::to_string(budget_bytes) +
                                     " bytes, below one page of one request (" + std::to_string(unit) + " bytes)");
   const int32_t W = comm.world(), R = l.rows(), P = l.page_size;
   const cudaStream_t st = cs(stream);
@@ -724,7 +726,7 @@ void prefill_local_score(Communicator& comm, const DeviceCache& shard, int32_t l
   const HostPrefill hp = read_prefill(batch, shard.num_pages(), shard.layout().page_size);
   check_heads_tp(batch.heads, comm.world());
   const int64_t nrows = static_cast<int64_t>(hp.rows.size());
-  require(nrows == 0 || out != nullptr, "out is null");
+  INDEXCP_REQUIRE(nrows == 0 || out != nullptr, "out is null");
   ScoreLaunch sl;
   sl.keys = key_source(shard, layer);
   sl.mode = KRounding::kE4m3;
@@ -823,7 +825,7 @@ class DeviceComm final : public Communicator {
 }  // namespace
 
 DeviceGroup::DeviceGroup(int world) : state_(std::make_unique<State>()) {
-  require(world >= 1 && world <= 64, "world = " + std::to_string(world) + " must be in 1..64");
+  INDEXCP_REQUIRE(world >= 1 && world <= 64, "world = " + std::to_string(world) + " must be in 1..64");
   state_->world = world;
   state_->ptrs.assign(static_cast<size_t>(world), nullptr);
   state_->ready.resize(static_cast<size_t>(world));
@@ -843,7 +845,7 @@ DeviceGroup::~DeviceGroup() {
 int DeviceGroup::world() const { return state_->world; }
 
 Communicator& DeviceGroup::comm(int r) {
-  require(r >= 0 && r < state_->world, "rank = " + std::to_string(r) + " is out of range");
+  INDEXCP_REQUIRE(r >= 0 && r < state_->world, "rank = " + std::to_string(r) + " is out of range");
   return *state_->comms[static_cast<size_t>(r)];
 }
 
@@ -926,17 +928,17 @@ struct DecodeStep::Impl {
     return path == DecodePath::kDecodeCp ? BlockFilter{W, r} : BlockFilter{};
   }
   void check_batch(const DecodeBatch& b) const {
-    require(b.num_requests >= 0 && b.num_requests <= shape.max_requests,
+    INDEXCP_REQUIRE(b.num_requests >= 0 && b.num_requests <= shape.max_requests,
             "num_requests = " + std::to_string(b.num_requests) + " exceeds the step's max_requests = " +
                 std::to_string(shape.max_requests));
-    require(b.max_pages == shape.max_pages, "max_pages = " + std::to_string(b.max_pages) +
+    INDEXCP_REQUIRE(b.max_pages == shape.max_pages, "max_pages = " + std::to_string(b.max_pages) +
                                                 " differs from the step's max_pages = " + std::to_string(shape.max_pages));
-    require(b.query_len == shape.query_len, "query_len = " + std::to_string(b.query_len) +
+    INDEXCP_REQUIRE(b.query_len == shape.query_len, "query_len = " + std::to_string(b.query_len) +
                                                 " differs from the step's query_len = " + std::to_string(shape.query_len));
-    require(b.heads == shape.heads,
+    INDEXCP_REQUIRE(b.heads == shape.heads,
             "heads = " + std::to_string(b.heads) + " differs from the step's heads = " + std::to_string(shape.heads));
     if (b.num_requests > 0)
-      require(b.q != nullptr && b.seq_lens != nullptr && b.block_table != nullptr, "batch has a null device pointer");
+      INDEXCP_REQUIRE(b.q != nullptr && b.seq_lens != nullptr && b.block_table != nullptr, "batch has a null device pointer");
   }
 };
 
@@ -945,21 +947,21 @@ DecodeStep::DecodeStep(std::vector<const DeviceCache*> caches, int32_t world, in
     : impl_(std::make_unique<Impl>()) {
   Impl& m = *impl_;
   shape.sel.validate();
-  require(world >= 1 && world <= 64, "world = " + std::to_string(world) + " must be in 1..64");
+  INDEXCP_REQUIRE(world >= 1 && world <= 64, "world = " + std::to_string(world) + " must be in 1..64");
   check_heads_tp(shape.heads, world);
-  require(shape.query_len >= 1 && shape.query_len <= 16, "query_len = " + std::to_string(shape.query_len) + " is out of range 1..16");
-  require(shape.max_requests >= 1, "max_requests must be >= 1");
-  require(shape.max_pages >= 1, "max_pages must be >= 1");
+  INDEXCP_REQUIRE(shape.query_len >= 1 && shape.query_len <= 16, "query_len = " + std::to_string(shape.query_len) + " is out of range 1..16");
+  INDEXCP_REQUIRE(shape.max_requests >= 1, "max_requests must be >= 1");
+  INDEXCP_REQUIRE(shape.max_pages >= 1, "max_pages must be >= 1");
   if (path == DecodePath::kIcp) {
-    require(static_cast<int32_t>(caches.size()) == world, "caches: kIcp needs one shard per rank (" + std::to_string(world) + ")");
+    INDEXCP_REQUIRE(static_cast<int32_t>(caches.size()) == world, "caches: kIcp needs one shard per rank (" + std::to_string(world) + ")");
     for (int32_t r = 0; r < world; ++r) {
-      require(caches[r] != nullptr, "caches[" + std::to_string(r) + "] is null");
-      require(caches[r]->layout().shards == world && caches[r]->rank() == r,
+      INDEXCP_REQUIRE(caches[r] != nullptr, "caches[" + std::to_string(r) + "] is null");
+      INDEXCP_REQUIRE(caches[r]->layout().shards == world && caches[r]->rank() == r,
               "caches[" + std::to_string(r) + "] is not rank " + std::to_string(r) + " of " + std::to_string(world) + " shards");
     }
   } else {
-    require(!caches.empty() && caches[0] != nullptr, "caches[0] is null");
-    require(caches[0]->layout().shards == 1, "caches[0] is sharded; kReplicated and kDecodeCp need a replicated cache");
+    INDEXCP_REQUIRE(!caches.empty() && caches[0] != nullptr, "caches[0] is null");
+    INDEXCP_REQUIRE(caches[0]->layout().shards == 1, "caches[0] is sharded; kReplicated and kDecodeCp need a replicated cache");
   }
   for (const DeviceCache* c : caches) {
     if (!c) continue;
@@ -990,7 +992,7 @@ DecodeStep::~DecodeStep() = default;
 void DecodeStep::enqueue_score(int32_t r, const DecodeBatch& b, Stream stream) {
   Impl& m = *impl_;
   m.check_batch(b);
-  require(r >= 0 && r < m.W, "rank = " + std::to_string(r) + " is out of range");
+  INDEXCP_REQUIRE(r >= 0 && r < m.W, "rank = " + std::to_string(r) + " is out of range");
   int32_t h0, nh;
   m.scored_heads(r, &h0, &nh);
   ScoreLaunch sl = decode_score_launch(m.cache_of(r), m.layer, b, h0, nh, m.shape.mode, m.scores[r].get(), m.filter(r),
@@ -1003,7 +1005,7 @@ void DecodeStep::enqueue_publish(int32_t r, const DecodeBatch& b, Stream stream)
   Impl& m = *impl_;
   if (m.path == DecodePath::kReplicated) return;
   m.check_batch(b);
-  require(r >= 0 && r < m.W, "rank = " + std::to_string(r) + " is out of range");
+  INDEXCP_REQUIRE(r >= 0 && r < m.W, "rank = " + std::to_string(r) + " is out of range");
   const int64_t per_rank = b.rows() * m.shape.heads * m.kk;
   SelectLaunch pub;
   pub.rows = decode_rows_view(b);
@@ -1021,8 +1023,8 @@ void DecodeStep::enqueue_publish(int32_t r, const DecodeBatch& b, Stream stream)
 void DecodeStep::enqueue_select(int32_t r, const DecodeBatch& b, int32_t* out, Stream stream) {
   Impl& m = *impl_;
   m.check_batch(b);
-  require(r >= 0 && r < m.W, "rank = " + std::to_string(r) + " is out of range");
-  require(b.rows() == 0 || out != nullptr, "out is null");
+  INDEXCP_REQUIRE(r >= 0 && r < m.W, "rank = " + std::to_string(r) + " is out of range");
+  INDEXCP_REQUIRE(b.rows() == 0 || out != nullptr, "out is null");
   int32_t h0, nh;
   owned_heads(m.shape.heads, m.W, r, &h0, &nh);
   if (m.W > m.shape.heads && r != h0 * m.W / m.shape.heads) return;  // another rank writes this head

@@ -209,9 +209,6 @@ __device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t by
       "l"(src), "r"(bytes), "r"(smem_u32(bar))
       : "memory");
 }
-__device__ __forceinline__ void fence_proxy_async() {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
 __device__ __forceinline__ void mma16816(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};"
@@ -233,7 +230,7 @@ __device__ __forceinline__ __half2 bits_h2(uint32_t u) { return *reinterpret_cas
 __device__ __forceinline__ void expand_e4m3(uint32_t w, uint2 lut, uint32_t* h) {
   const uint32_t m = w & 0x77777777u;
   const uint32_t plo = prmt(lut.x, lut.y, m);        // [M0 M1 M2 M3]
-  const uint32_t phi = prmt(lut.x, lut.y, m >> 16);  // [M4 M5 M6 M7]
+  const uint32_t phi = prmt(lut.x, lut.y, __umulhi(m, 1u << 16));  // [M4 M5 M6 M7]; m >> 16 on the FMA pipe
   const uint32_t w4 = w << 4;
   h[0] = (prmt(plo, w4, 0xD2C0u) << 7) & 0xFF80FF80u;  // [M0, s0 x8, M2, s2 x8]
   h[1] = (prmt(plo, w, 0xD3C1u) << 7) & 0xFF80FF80u;   // [M1, s1, M3, s3]
@@ -276,7 +273,7 @@ constexpr int half_bytes() {
 }
 template <int MODE, int NT>
 constexpr int score_smem_bytes() {
-  return kWarps * kBuf * half_bytes<MODE>() + 256 * 8 + 8 * NT * 32 * 8 + kWarps * kBuf * 8;
+  return kWarps * kBuf * half_bytes<MODE>() + 256 * 8 + 8 * NT * 32 * 8 + kWarps * kBuf * 8 + kWarps * kBuf * 4 * 4;
 }
 
 // B fragments of k-step s: registers (NT <= 2) or shared memory (NT = 4, to stay under 128
@@ -436,6 +433,7 @@ __global__ void __launch_bounds__(kThreads, 2) score_kernel(const ScoreArgs a) {
   uint2* lut = reinterpret_cast<uint2*>(smem + kWarps * kBuf * HALF);
   uint2* qf = lut + 256;                                           // [8][NT][32]
   uint64_t* bars = reinterpret_cast<uint64_t*>(qf + 8 * NT * 32);  // [kWarps][kBuf]
+  int32_t* meta = reinterpret_cast<int32_t*>(bars + kWarps * kBuf);  // [kWarps][kBuf][4]: chunk blocks
 
   // this CTA's share of the work items of all requests
   const int32_t B = a.rows.num_requests;
@@ -449,6 +447,7 @@ __global__ void __launch_bounds__(kThreads, 2) score_kernel(const ScoreArgs a) {
     for (int i = threadIdx.x; i < 256; i += kThreads) lut[i] = g_khat_lut[i];
   uint8_t* wst = stages + warp * kBuf * HALF;
   uint64_t* wbar = bars + warp * kBuf;
+  int32_t* wmeta = meta + warp * kBuf * 4;
   if (lane == 0) {
     for (int i = 0; i < kBuf; ++i) mbar_init(&wbar[i], 1);
     mbar_fence_init();
@@ -503,14 +502,19 @@ __global__ void __launch_bounds__(kThreads, 2) score_kernel(const ScoreArgs a) {
     if (c->s < c->end) return;
     first_of(c->b + 1, c);
   };
-  auto issue = [&](const Cursor& c, uint8_t* dst, uint64_t* bar) {
+  // lane 0: copies one half into a buffer and records each chunk's block (-1: not needed) in
+  // the buffer's meta slots, which the warp reads after the mbarrier wait (no recomputation and
+  // no block-table load on the compute side)
+  auto issue = [&](const Cursor& c, uint8_t* dst, uint64_t* bar, int32_t* m) {
     const ReqInfo& ri = c.ri;
     uint32_t total_bytes = 0;
     for (int k = 0; k < nch; ++k) {
       Chunk ch;
-      if (half_chunk<STOCK, GATHER>(a, G, c.b, ri, c.s, c.h, k, &ch))
-        total_bytes += ch.nrows * (ROWB + (MODE == kModeFp8 ? 0 : kNvfp4ScalesPerKey));
+      const bool ok = half_chunk<STOCK, GATHER>(a, G, c.b, ri, c.s, c.h, k, &ch);
+      m[k] = ok ? ch.block : -1;
+      if (ok) total_bytes += ch.nrows * (ROWB + (MODE == kModeFp8 ? 0 : kNvfp4ScalesPerKey));
     }
+    if (a.debug & 2) return;  // benchmarking aid: no loads
     mbar_arrive_expect_tx(bar, total_bytes);
     for (int k = 0; k < nch; ++k) {
       Chunk ch;
@@ -526,14 +530,17 @@ __global__ void __launch_bounds__(kThreads, 2) score_kernel(const ScoreArgs a) {
   first_of(b_first, &pre);
   __syncthreads();  // barriers initialized, LUT loaded
   int issued = 0;
-  if (lane == 0 && !(a.debug & 2))
+  if (lane == 0)
     for (; issued < kBuf && pre.valid; ++issued) {
-      issue(pre, wst + issued * HALF, &wbar[issued]);
+      issue(pre, wst + issued * HALF, &wbar[issued], wmeta + issued * 4);
       advance(&pre);
     }
   else
     for (; issued < kBuf && pre.valid; ++issued) advance(&pre);
+  __syncwarp();   // the prologue's meta writes before anyone reads them
   int item = 0;  // items consumed by this warp
+  const int32_t rc_half = GATHER ? (G.R < kHalfRows ? G.R : kHalfRows)
+                                 : ((STOCK || G.R >= kHalfRows) ? kHalfRows : G.R);  // rows per chunk
 
   const float kNaN = __int_as_float(0x7fc00000);
   for (int32_t b = b_first; b < B && a.plan[b] < p1; ++b) {
@@ -610,8 +617,11 @@ __global__ void __launch_bounds__(kThreads, 2) score_kernel(const ScoreArgs a) {
         const uint8_t* st = wst + buf * HALF;
         if (active) {
           for (int c = 0; c < nch; ++c) {
+            const int32_t blk = wmeta[buf * 4 + c];
+            if (blk < 0) continue;
             Chunk ch;
-            if (!half_chunk<STOCK, GATHER>(a, G, b, ri, s, h, c, &ch)) continue;
+            ch.block = blk;
+            ch.nrows = rc_half;
             if (ch.block != cur) {
               if (cur >= 0) flush();
               cur = ch.block;
@@ -631,10 +641,7 @@ __global__ void __launch_bounds__(kThreads, 2) score_kernel(const ScoreArgs a) {
           }
         }
         __syncwarp();
-        if (lane == 0 && pre.valid && !(a.debug & 2)) {
-          fence_proxy_async();
-          issue(pre, wst + buf * HALF, &wbar[buf]);
-        }
+        if (lane == 0 && pre.valid) issue(pre, wst + buf * HALF, &wbar[buf], wmeta + buf * 4);
         if (pre.valid) advance(&pre);
       }
       if (cur >= 0) flush();
@@ -766,9 +773,9 @@ void launch_score(const ScoreLaunch& s, cudaStream_t stream) {
   if (const char* e = std::getenv("INDEXCP_SCORE_DEBUG")) a.debug = std::atoi(e);
   const PageLayout& L = s.keys.layout;
   const int32_t R = L.rows();
-  require(static_cast<int64_t>(s.max_pages) * L.page_size < (int64_t{1} << 30),
+  INDEXCP_REQUIRE(static_cast<int64_t>(s.max_pages) * L.page_size < (int64_t{1} << 30),
           "max_pages x page_size must stay below 2^30 tokens per request");
-  require(s.max_pages > 0, "max_pages must be > 0");
+  INDEXCP_REQUIRE(s.max_pages > 0, "max_pages must be > 0");
   int32_t* plan = s.plan;
   int32_t* owned = nullptr;
   if (plan == nullptr) {
@@ -780,7 +787,7 @@ void launch_score(const ScoreLaunch& s, cudaStream_t stream) {
   const int64_t nvec_max = static_cast<int64_t>(s.max_rows_per_request) * s.nh;
   const int nt = nvec_max <= 8 ? 1 : nvec_max <= 16 ? 2 : 4;
   const int64_t gy = ceil_div(nvec_max, nt * 8);
-  require(gy <= 65535, "score launch too large (rows of one request x heads)");
+  INDEXCP_REQUIRE(gy <= 65535, "score launch too large (rows of one request x heads)");
   const dim3 grid(1, static_cast<unsigned>(gy));
   ensure_tables();
   if (s.keys.gather) {
@@ -826,7 +833,7 @@ void launch_fill_neg_inf(float* p, int64_t n, cudaStream_t stream) {
 void launch_stage_fp8(const uint8_t* layer_base, const PageLayout& layout, int64_t cache_pages,
                       const int32_t* pages, int64_t num_pages, uint8_t* out, cudaStream_t stream) {
   if (num_pages <= 0) return;
-  require(num_pages < (int64_t{1} << 31), "num_pages = " + std::to_string(num_pages) + " exceeds one launch (2^31 - 1)");
+  INDEXCP_REQUIRE(num_pages < (int64_t{1} << 31), "num_pages = " + std::to_string(num_pages) + " exceeds one launch (2^31 - 1)");
   stage_fp8_kernel<<<static_cast<unsigned>(num_pages), 128, 0, stream>>>(layer_base, layout, cache_pages, pages, out);
   INDEXCP_CUDA_LAUNCH_CHECK("stage_fp8 kernel launch");
 }

@@ -1,14 +1,16 @@
 // Exact top-k selection, publish and merge of the CUDA backend (spec/indexer.md sections 4-5).
 //
-// One warp per (row, head). Candidates are ranked by a unique 64-bit key: the order-preserving
-// key of the score (indexer.md section 3: NaN lowest, -0.0 == +0.0) in the high half and
-// (0xffffffff - block id) in the low half, so (score desc, id asc) is plain descending key order
-// and there are no ties. The threshold T (the kk-th largest key) is found exactly:
-//   fast path: the kk-th largest of the 32 per-lane maxima is a lower bound of T; the few
-//   candidates at or above it (at most 64) are ranked against each other in shared memory;
-//   fallback (plateaus of equal scores, kk > 32, many survivors): kk rounds of warp arg-max.
-// The selection is then { key >= T }. Nothing is approximate, no histogram can drop a candidate.
+// One warp per (row, head). A candidate's key is K = score_key(score) + 1 (score_key: the
+// order-preserving map of indexer.md section 3, NaN lowest, -0.0 == +0.0) or 0 when it is not a
+// candidate; the order is (K desc, block id asc), a total order without ties. The keys of a row
+// are staged once in shared memory. The boundary (the kk-th best) is found exactly:
+//   fast path (kk <= 32): the kk-th largest of the 32 per-lane maxima bounds the boundary from
+//   below; the few keys at or above it (at most 64) are ranked against each other;
+//   fallback (plateaus of equal scores, kk > 32, many survivors): bisection on the 32-bit key,
+//   then the equal keys taken in ascending id order.
+// Nothing is approximate: the selection is exactly the CPU's on the same scores.
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 
 #include "common.cuh"
@@ -19,18 +21,15 @@ namespace indexcp::cuda::detail {
 namespace {
 
 constexpr int kWarpsPerCta = 4;
-constexpr int kSurvivors = 64;
-
-constexpr int kStaged = 2048;  // candidates staged in shared memory per warp (more: read from L2)
+constexpr int kSurv = 64;      // survivors ranked in shared memory (fast path)
+constexpr int kStaged = 1536;  // keys staged per warp: rows of up to 1536 blocks (196K tokens);
+                               // longer rows are read from L2 directly (correct, slower)
 
 struct WarpSmem {
-  union {
-    float score[kStaged];        // select / publish: the row's block scores init .. local-1
-    Candidate cand[kStaged / 2]; // merge: the W x kk exchanged candidates
-  };
-  uint64_t key[kSurvivors];      // survivors (fast path)
-  int32_t idx[kSurvivors];
-  uint8_t keep[kStaged / 2];     // merge: candidate kept after deduplication
+  uint32_t key[kStaged];  // select / publish: candidate keys (publish: compacted); merge: K and ids
+  uint16_t idx[kStaged];  // publish: the candidate index (block - init) of each compacted key
+  uint32_t skey[kSurv];
+  int32_t sidx[kSurv];
 };
 
 __device__ __forceinline__ int64_t row_position(const RowsView& v, int64_t row) {
@@ -50,96 +49,110 @@ __device__ __forceinline__ int64_t row_position(const RowsView& v, int64_t row) 
   return static_cast<int64_t>(v.seq_lens[lo]) - t + (row - v.query_start[lo]);
 }
 
-__device__ __forceinline__ uint64_t shfl64(uint64_t v, int src) {
-  const uint32_t lo = __shfl_sync(0xffffffffu, static_cast<uint32_t>(v), src);
-  const uint32_t hi = __shfl_sync(0xffffffffu, static_cast<uint32_t>(v >> 32), src);
-  return (static_cast<uint64_t>(hi) << 32) | lo;
-}
-__device__ __forceinline__ uint64_t warp_max64(uint64_t v) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    const uint64_t o = shfl64(v, (threadIdx.x & 31) ^ off);
-    v = o > v ? o : v;
-  }
-  return v;
-}
-__device__ __forceinline__ int32_t key_id(uint64_t key) {
-  return static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(key & 0xffffffffu));
+__device__ __forceinline__ uint32_t lanemask_lt() { return (1u << (threadIdx.x & 31)) - 1u; }
+
+// (K, i) better than (K2, i2) in the order (K desc, i asc)
+__device__ __forceinline__ bool better(uint32_t k, int32_t i, uint32_t k2, int32_t i2) {
+  return k > k2 || (k == k2 && i < i2);
 }
 
-// The kk-th largest key among the valid ones (0 when there are at most kk: every valid key is
-// > 0, so "key >= 0" keeps them all). *sorted is set when the fallback ran (it has passed the
-// selection to emit(rank, key) in descending order), *surv to the number of survivors left in
-// sh.key / sh.idx by the fast path.
-template <class KeyAt, class Emit>
-__device__ uint64_t warp_threshold(int64_t n, int32_t kk, KeyAt key_at, Emit emit, WarpSmem& sh, int* nvalid,
-                                   bool* sorted, int* surv) {
+// The boundary of the kk best (by (K desc, index asc)) among n keys given by key(i) (0 = not a
+// candidate). On return the selection is { K(i) > 0 and (K, i) not worse than (*tk, *ti) }.
+// *surv > 0 when sh.skey / sh.sidx hold every selected element (and possibly more) in index order.
+template <class Key>
+__device__ void warp_boundary(int32_t n, int32_t kk, Key key, WarpSmem& sh, uint32_t* tk, int32_t* ti, int* surv) {
   const int lane = threadIdx.x & 31;
-  *sorted = false;
   *surv = 0;
-  uint64_t lmax = 0;
+  uint32_t lm = 0;
   int cnt = 0;
-  for (int64_t i = lane; i < n; i += 32) {
-    uint64_t k;
-    if (key_at(i, &k)) {
-      ++cnt;
-      lmax = k > lmax ? k : lmax;
-    }
+#pragma unroll 4
+  for (int32_t i = lane; i < n; i += 32) {
+    const uint32_t k = key(i);
+    cnt += k != 0;
+    lm = k > lm ? k : lm;
   }
   const int V = __reduce_add_sync(0xffffffffu, cnt);
-  *nvalid = V;
-  if (V <= kk) return 0;
-  uint64_t t0 = 0;
-  if (kk <= 32) {
-    int rank = 0;
-    for (int o = 0; o < 32; ++o) rank += shfl64(lmax, o) > lmax;
-    const unsigned hit = __ballot_sync(0xffffffffu, lmax != 0 && rank == kk - 1);
-    if (hit) t0 = shfl64(lmax, __ffs(hit) - 1);
+  uint32_t t0 = 1;
+  if (V > kk && kk <= 32) {
+    int ge = 0;
+    for (int o = 0; o < 32; ++o) ge += __shfl_sync(0xffffffffu, lm, o) >= lm;
+    const uint32_t cand = (lm != 0 && ge >= kk) ? lm : 1u;
+    t0 = __reduce_max_sync(0xffffffffu, cand);
   }
-  // survivors: valid keys >= t0
   int sc = 0;
-  for (int64_t i = lane; i < n; i += 32) {
-    uint64_t k;
-    sc += key_at(i, &k) && k >= t0;
-  }
+#pragma unroll 4
+  for (int32_t i = lane; i < n; i += 32) sc += key(i) >= t0;
   const int S = __reduce_add_sync(0xffffffffu, sc);
-  if (S <= kSurvivors) {
+  if (S <= kSurv) {
     int base = 0;
-    for (int64_t i0 = 0; i0 < n; i0 += 32) {
-      const int64_t i = i0 + lane;
-      uint64_t k = 0;
-      const bool sv = i < n && key_at(i, &k) && k >= t0;
+    for (int32_t i0 = 0; i0 < n; i0 += 32) {
+      const int32_t i = i0 + lane;
+      const uint32_t k = i < n ? key(i) : 0u;
+      const bool sv = k >= t0 && k != 0;
       const unsigned m = __ballot_sync(0xffffffffu, sv);
       if (sv) {
-        const int pos = base + __popc(m & ((1u << lane) - 1u));
-        sh.key[pos] = k;
-        sh.idx[pos] = static_cast<int32_t>(i);
+        const int p = base + __popc(m & lanemask_lt());
+        sh.skey[p] = k;
+        sh.sidx[p] = i;
       }
       base += __popc(m);
     }
     __syncwarp();
-    uint64_t T = 0;
-    for (int e = lane; e < S; e += 32) {
-      int r = 0;
-      for (int f = 0; f < S; ++f) r += sh.key[f] > sh.key[e];
-      if (r == kk - 1) T = sh.key[e];
+    if (V <= kk) {  // all of them
+      *tk = 1u;
+      *ti = INT_MAX;
+    } else {
+      uint32_t bk = 0;
+      int32_t bi = -1;
+      for (int e = lane; e < S; e += 32) {
+        int r = 0;
+        for (int f = 0; f < S; ++f) r += better(sh.skey[f], sh.sidx[f], sh.skey[e], sh.sidx[e]);
+        if (r == kk - 1) {
+          bk = sh.skey[e];
+          bi = sh.sidx[e];
+        }
+      }
+      const unsigned who = __ballot_sync(0xffffffffu, bi >= 0);
+      *tk = __shfl_sync(0xffffffffu, bk, __ffs(who) - 1);
+      *ti = __shfl_sync(0xffffffffu, bi, __ffs(who) - 1);
     }
     *surv = S;
-    return warp_max64(T);
+    return;
   }
-  // fallback: kk rounds of arg-max; emit(r, key) receives the selection in descending order
-  uint64_t prev = ~0ull;
-  for (int r = 0; r < kk; ++r) {
-    uint64_t m = 0;
-    for (int64_t i = lane; i < n; i += 32) {
-      uint64_t k;
-      if (key_at(i, &k) && k < prev && k > m) m = k;
+  if (V <= kk) {
+    *tk = 1u;
+    *ti = INT_MAX;
+    return;
+  }
+  // fallback: the largest T with #{K >= T} >= kk, bit by bit
+  uint32_t T = 0;
+  for (int bit = 31; bit >= 0; --bit) {
+    const uint32_t c = T | (1u << bit);
+    int ge = 0;
+    for (int32_t i = lane; i < n; i += 32) ge += key(i) >= c;
+    if (__reduce_add_sync(0xffffffffu, ge) >= kk) T = c;
+  }
+  int gt = 0;
+  for (int32_t i = lane; i < n; i += 32) gt += key(i) > T;
+  int need = kk - __reduce_add_sync(0xffffffffu, gt);  // >= 1 equal keys, taken in index order
+  int32_t last = -1;
+  for (int32_t i0 = 0; i0 < n && need > 0; i0 += 32) {
+    const int32_t i = i0 + lane;
+    const bool eq = i < n && key(i) == T;
+    const unsigned m = __ballot_sync(0xffffffffu, eq);
+    const int c = __popc(m);
+    if (c >= need) {
+      // the need-th set bit of m
+      unsigned mm = m;
+      for (int q = 1; q < need; ++q) mm &= mm - 1;
+      last = i0 + __ffs(mm) - 1;
+      need = 0;
+    } else {
+      need -= c;
     }
-    prev = warp_max64(m);
-    emit(r, prev);
   }
-  *sorted = true;
-  return prev;
+  *tk = T;
+  *ti = last;
 }
 
 __device__ __forceinline__ void write_all_visible(int64_t n, int32_t K, int32_t* o) {
@@ -159,104 +172,113 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) select_kernel(const SelectL
   const SelectionParams sel = s.sel;
   const int32_t kk = sel.topk - 1 - sel.init_blocks;
   const float* sc = s.scores + (row * s.nh + hh) * s.max_blocks;
-  const int64_t local = n_vis - 1;
-  const int64_t nc = local - sel.init_blocks;  // candidates: blocks init .. local-1
-
-  if (s.cands == nullptr) {  // ---- selection: ascending ids
-    int32_t* o = s.out + (row * s.out_heads + s.out_h0 + hh) * sel.topk;
-    if (n_vis <= sel.topk) {
+  const int32_t local = static_cast<int32_t>(n_vis - 1);
+  const int32_t nc = local - sel.init_blocks;  // candidates: blocks init .. local-1
+  const int32_t init = sel.init_blocks;
+  const bool publish = s.cands != nullptr;
+  Candidate* oc = publish ? s.cands + (row * s.nh + hh) * kk : nullptr;
+  int32_t* o = publish ? nullptr : s.out + (row * s.out_heads + s.out_h0 + hh) * sel.topk;
+  if (n_vis <= sel.topk) {
+    if (publish)
+      for (int k = lane; k < kk; k += 32) oc[k] = Candidate{-INFINITY, -1};
+    else
       write_all_visible(n_vis, sel.topk, o);
-      return;
-    }
-    const bool staged = nc <= kStaged;
-    if (staged) {
-#pragma unroll 8
-      for (int64_t i = lane; i < nc; i += 32) sh.score[i] = sc[sel.init_blocks + i];
-      __syncwarp();
-    }
-    auto key_at = [&](int64_t i, uint64_t* key) {
-      const int32_t b = static_cast<int32_t>(sel.init_blocks + i);
-      *key = cand_key(staged ? sh.score[i] : sc[b], b);
-      return true;
-    };
-    int V, S;
-    bool sorted;
-    const uint64_t T = warp_threshold(nc, kk, key_at, [](int, uint64_t) {}, sh, &V, &sorted, &S);
-    for (int k = lane; k < sel.init_blocks; k += 32) o[k] = k;
-    int base = 0;
-    for (int64_t i0 = 0; i0 < nc; i0 += 32) {
-      const int64_t i = i0 + lane;
-      uint64_t k = 0;
-      const bool take = i < nc && key_at(i, &k) && k >= T;
-      const unsigned m = __ballot_sync(0xffffffffu, take);
-      if (take) o[sel.init_blocks + base + __popc(m & ((1u << lane) - 1u))] = static_cast<int32_t>(sel.init_blocks + i);
-      base += __popc(m);
-    }
-    for (int k = sel.init_blocks + base + lane; k < sel.topk; k += 32)
-      o[k] = k == sel.init_blocks + base ? static_cast<int32_t>(local) : -1;
     return;
   }
-
-  // ---- publish: the kk best valid candidates by (score desc, id asc), then empty entries
-  Candidate* o = s.cands + (row * s.nh + hh) * kk;
+  // candidate keys (publish: only blocks of which this rank stores rows, and the block filter)
   const int32_t P = s.layout.page_size, R = s.layout.rows(), lo_off = s.rank * R;
   const int32_t fmod = s.filter.modulus, fres = s.filter.residue;
+  auto key_global = [&](int32_t i) -> uint32_t {
+    const int32_t b = init + i;
+    if (publish) {
+      if (fmod > 1 && b % fmod != fres) return 0u;
+      const int32_t u0 = (b * kBlockTokens) & (P - 1);  // the block's first page offset (P = 128 or 256)
+      if (!(u0 < lo_off + R && lo_off < u0 + kBlockTokens)) return 0u;  // no rows on this rank
+    }
+    return score_key(sc[b]) + 1u;
+  };
+  // stage the keys; publish compacts them to the blocks this rank stores (so that a periodic
+  // validity pattern, e.g. every other block at P256, cannot defeat the per-lane filter)
   const bool staged = nc <= kStaged;
-  if (staged && n_vis > sel.topk) {
+  int32_t n = nc;
+  if (staged) {
+    if (publish) {
+      int base = 0;
+      for (int32_t i0 = 0; i0 < nc; i0 += 32) {
+        const int32_t i = i0 + lane;
+        const uint32_t k = i < nc ? key_global(i) : 0u;
+        const unsigned m = __ballot_sync(0xffffffffu, k != 0);
+        if (k != 0) {
+          const int p = base + __popc(m & lanemask_lt());
+          sh.key[p] = k;
+          sh.idx[p] = static_cast<uint16_t>(i);
+        }
+        base += __popc(m);
+      }
+      n = base;
+    } else {
 #pragma unroll 8
-    for (int64_t i = lane; i < nc; i += 32) sh.score[i] = sc[sel.init_blocks + i];
+      for (int32_t i = lane; i < nc; i += 32) sh.key[i] = key_global(i);
+    }
     __syncwarp();
   }
-  auto key_at = [&](int64_t i, uint64_t* key) {
-    const int32_t b = static_cast<int32_t>(sel.init_blocks + i);
-    if (fmod > 1 && b % fmod != fres) return false;
-    const int32_t u0 = (b * kBlockTokens) & (P - 1);  // the block's first page offset (P = 128 or 256)
-    if (!(u0 < lo_off + R && lo_off < u0 + kBlockTokens)) return false;  // no rows on this rank
-    *key = cand_key(staged ? sh.score[i] : sc[b], b);
-    return true;
-  };
-  auto emit = [&](int r, uint64_t key) {  // fallback: the selection in descending order
-    if (lane == 0) {
-      const int32_t b = key_id(key);
-      o[r] = Candidate{sc[b], b};
+  auto key = [&](int32_t j) -> uint32_t { return staged ? sh.key[j] : key_global(j); };
+  auto block_of = [&](int32_t j) -> int32_t { return init + ((staged && publish) ? static_cast<int32_t>(sh.idx[j]) : j); };
+  uint32_t tk;
+  int32_t ti;
+  int S;
+  warp_boundary(n, kk, key, sh, &tk, &ti, &S);
+  auto selected = [&](uint32_t k, int32_t i) { return k != 0 && !better(tk, ti, k, i); };
+
+  if (!publish) {  // ---- selection: [0..init), chosen ids ascending, local
+    for (int k = lane; k < init; k += 32) o[k] = k;
+    int base = 0;
+    for (int32_t i0 = 0; i0 < nc; i0 += 32) {
+      const int32_t i = i0 + lane;
+      const bool take = i < nc && selected(key(i), i);
+      const unsigned m = __ballot_sync(0xffffffffu, take);
+      if (take) o[init + base + __popc(m & lanemask_lt())] = init + i;
+      base += __popc(m);
     }
-  };
-  int m = 0;
-  if (n_vis > sel.topk) {
-    int V, S;
-    bool sorted;
-    const uint64_t T = warp_threshold(nc, kk, key_at, emit, sh, &V, &sorted, &S);
-    if (sorted) {  // fallback: already written by emit
-      m = kk;
-    } else if (S > 0) {  // fast path: rank the survivors
-      m = kk;
-      for (int e = lane; e < S; e += 32) {
-        int r = 0;
-        for (int f = 0; f < S; ++f) r += sh.key[f] > sh.key[e];
-        if (r < kk) {
-          const int32_t b = key_id(sh.key[e]);
-          o[r] = Candidate{sc[b], b};
-        }
-      }
-    } else {  // at most kk valid: all of them, ranked against each other (V <= kk)
-      m = V;
-      for (int64_t i0 = 0; i0 < nc; i0 += 32) {
-        const int64_t i = i0 + lane;
-        uint64_t k = 0;
-        if (i < nc && key_at(i, &k)) {
-          int r = 0;
-          for (int64_t f = 0; f < nc; ++f) {
-            uint64_t kf;
-            if (key_at(f, &kf) && kf > k) ++r;
-          }
-          const int32_t b = key_id(k);
-          o[r] = Candidate{sc[b], b};
-        }
-      }
-    }
-    (void)T;
+    for (int k = init + base + lane; k < sel.topk; k += 32) o[k] = k == init + base ? local : -1;
+    return;
   }
-  for (int k = m + lane; k < kk; k += 32) o[k] = Candidate{-INFINITY, -1};
+  // ---- publish: the selection ordered by (score desc, id asc), then empty entries
+  int m = 0;
+  if (S > 0) {
+    for (int e = lane; e < S; e += 32) {
+      if (!selected(sh.skey[e], sh.sidx[e])) continue;
+      int r = 0;
+      for (int f = 0; f < S; ++f)
+        r += selected(sh.skey[f], sh.sidx[f]) && better(sh.skey[f], sh.sidx[f], sh.skey[e], sh.sidx[e]);
+      const int32_t b = block_of(sh.sidx[e]);
+      oc[r] = Candidate{sc[b], b};
+    }
+    int c = 0;
+    for (int e = lane; e < S; e += 32) c += selected(sh.skey[e], sh.sidx[e]);
+    m = __reduce_add_sync(0xffffffffu, c);
+  } else {  // rounds of arg-max below the previous one, over the selection
+    uint32_t pk = UINT_MAX;
+    int32_t pi = -1;
+    for (;; ++m) {
+      uint32_t bk = 0;
+      int32_t bi = INT_MAX;
+      for (int32_t i = lane; i < n; i += 32) {
+        const uint32_t k = key(i);
+        if (selected(k, i) && better(pk, pi, k, i) && better(k, i, bk, bi)) {
+          bk = k;
+          bi = i;
+        }
+      }
+      const uint32_t wk = __reduce_max_sync(0xffffffffu, bk);
+      const int32_t wi = static_cast<int32_t>(__reduce_min_sync(0xffffffffu, static_cast<unsigned>(bk == wk ? bi : INT_MAX)));
+      if (wk == 0) break;
+      if (lane == 0) oc[m] = Candidate{sc[block_of(wi)], block_of(wi)};
+      pk = wk;
+      pi = wi;
+    }
+  }
+  for (int k = m + lane; k < kk; k += 32) oc[k] = Candidate{-INFINITY, -1};
 }
 
 // ---- merge ---------------------------------------------------------------------------------
@@ -272,6 +294,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) merge_kernel(const MergeLau
   const int32_t h = mg.h0 + hh;
   const SelectionParams sel = mg.sel;
   const int32_t kk = sel.topk - 1 - sel.init_blocks;
+  const int32_t init = sel.init_blocks;
   int32_t* o = mg.out + (row * mg.out_heads + mg.out_h0 + hh) * sel.topk;
   const int64_t pos = row_position(mg.rows, row);
   const int64_t n_vis = pos < 0 ? 0 : pos / kBlockTokens + 1;
@@ -280,67 +303,58 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) merge_kernel(const MergeLau
     return;
   }
   const int32_t local = static_cast<int32_t>(n_vis - 1);
-  const int64_t m = static_cast<int64_t>(mg.world) * kk;
+  const int32_t m = mg.world * kk;  // <= kStaged / 2 (checked at launch)
   const int64_t per_rank = mg.rows.rows * mg.heads * kk;
   const Candidate* base_c = mg.cands + (row * mg.heads + h) * kk;
-  const bool staged = m <= kStaged / 2;
-  if (staged) {
-    for (int64_t e = lane; e < m; e += 32) sh.cand[e] = base_c[(e / kk) * per_rank + e % kk];
-    __syncwarp();
+  uint32_t* K = sh.key;                                          // K of entry e (0: not a candidate)
+  int32_t* ID = reinterpret_cast<int32_t*>(sh.key + kStaged / 2);  // block id of entry e
+  for (int32_t e = lane; e < m; e += 32) {
+    const Candidate c = base_c[static_cast<int64_t>(e / kk) * per_rank + e % kk];
+    ID[e] = c.block;
+    K[e] = (c.block >= init && c.block < local) ? score_key(c.score) + 1u : 0u;  // row's non-forced blocks only
   }
-  auto cand = [&](int64_t e) -> Candidate {
-    if (staged) return sh.cand[e];
-    const int64_t w = e / kk, k = e % kk;
-    return base_c[w * per_rank + k];
-  };
-  // kept = in range and not beaten by another entry of the same block (max score, then first)
-  auto kept_slow = [&](int64_t e) -> bool {
-    const Candidate c = cand(e);
-    if (!(c.block >= sel.init_blocks && c.block < local)) return false;
-    const uint32_t ke = score_key(c.score);
-    for (int64_t f = 0; f < m; ++f) {
-      if (f == e) continue;
-      const Candidate d = cand(f);
-      if (d.block != c.block) continue;
-      const uint32_t kf = score_key(d.score);
-      if (kf > ke || (kf == ke && f < e)) return false;
-    }
-    return true;
-  };
-  const bool cached = m <= kStaged / 2;
-  if (cached) {
-    for (int64_t e = lane; e < m; e += 32) sh.keep[e] = kept_slow(e);
-    __syncwarp();
-  }
-  auto key_at = [&](int64_t e, uint64_t* key) {
-    if (cached ? !sh.keep[e] : !kept_slow(e)) return false;
-    const Candidate c = cand(e);
-    *key = cand_key(c.score, c.block);
-    return true;
-  };
-  int V, S;
-  bool sorted;
-  const uint64_t T = warp_threshold(m, kk, key_at, [](int, uint64_t) {}, sh, &V, &sorted, &S);
   __syncwarp();
-  // the selected ids (at most kk), written in ascending order: repeated arg-min over ids
-  for (int k = lane; k < sel.init_blocks; k += 32) o[k] = k;
-  int32_t prev = -1;
-  int got = 0;
-  for (;; ++got) {
-    int32_t best = 0x7fffffff;
-    for (int64_t e = lane; e < m; e += 32) {
-      uint64_t k;
-      if (key_at(e, &k) && k >= T) {
-        const int32_t id = key_id(k);
-        if (id > prev && id < best) best = id;
+  // 1. deduplicate: an entry is dropped when another entry of the same block is better (max
+  //    score, then the first); decisions first, then applied (bit j of `drop`: entry lane + 32j)
+  uint32_t drop = 0;
+  for (int32_t e = lane, j = 0; e < m; e += 32, ++j) {
+    const uint32_t k = K[e];
+    if (k == 0) continue;
+    for (int32_t f = 0; f < m; ++f)
+      if (f != e && ID[f] == ID[e] && (K[f] > k || (K[f] == k && f < e))) {
+        drop |= 1u << j;
+        break;
       }
-    }
-    best = __reduce_min_sync(0xffffffffu, best);
-    if (best == 0x7fffffff || got >= kk) break;
-    if (lane == 0) o[sel.init_blocks + got] = best;
-    prev = best;
   }
-  for (int k = sel.init_blocks + got + lane; k < sel.topk; k += 32) o[k] = k == sel.init_blocks + got ? local : -1;
+  __syncwarp();
+  for (int32_t e = lane, j = 0; e < m; e += 32, ++j)
+    if (drop >> j & 1u) K[e] = 0u;
+  __syncwarp();
+  // 2. the kk best of the kept entries by (K desc, id asc); ids are unique now
+  uint32_t out_mask = 0;
+  for (int32_t e = lane, j = 0; e < m; e += 32, ++j) {
+    const uint32_t k = K[e];
+    if (k == 0) continue;
+    int r = 0;
+    for (int32_t f = 0; f < m; ++f) r += K[f] > k || (K[f] == k && K[f] != 0 && ID[f] < ID[e]);
+    if (r >= kk) out_mask |= 1u << j;
+  }
+  __syncwarp();
+  for (int32_t e = lane, j = 0; e < m; e += 32, ++j)
+    if (out_mask >> j & 1u) K[e] = 0u;
+  __syncwarp();
+  // 3. ascending ids: each selected entry's place among the selected
+  for (int k = lane; k < init; k += 32) o[k] = k;
+  int cnt = 0;
+  for (int32_t e = lane; e < m; e += 32) {
+    if (K[e] == 0) continue;
+    ++cnt;
+    int p = 0;
+    for (int32_t f = 0; f < m; ++f) p += K[f] != 0 && ID[f] < ID[e];
+    o[init + p] = ID[e];
+  }
+  const int got = __reduce_add_sync(0xffffffffu, cnt);
+  for (int k = init + got + lane; k < sel.topk; k += 32) o[k] = k == init + got ? local : -1;
 }
 
 }  // namespace
@@ -349,7 +363,7 @@ void launch_select(const SelectLaunch& s, cudaStream_t stream) {
   const int64_t problems = s.rows.rows * s.nh;
   if (problems == 0) return;
   const int64_t ctas = ceil_div(problems, kWarpsPerCta);
-  require(ctas < (int64_t{1} << 31), "select launch too large");
+  INDEXCP_REQUIRE(ctas < (int64_t{1} << 31), "select launch too large");
   select_kernel<<<static_cast<unsigned>(ctas), kWarpsPerCta * 32, 0, stream>>>(s);
   INDEXCP_CUDA_LAUNCH_CHECK("select kernel launch");
 }
@@ -358,7 +372,11 @@ void launch_merge(const MergeLaunch& m, cudaStream_t stream) {
   const int64_t problems = m.rows.rows * m.nh;
   if (problems == 0) return;
   const int64_t ctas = ceil_div(problems, kWarpsPerCta);
-  require(ctas < (int64_t{1} << 31), "merge launch too large");
+  INDEXCP_REQUIRE(ctas < (int64_t{1} << 31), "merge launch too large");
+  if (static_cast<int64_t>(m.world) * (m.sel.topk - 1 - m.sel.init_blocks) > kStaged / 2)
+    throw Error(ErrorCode::kUnsupported, "the CUDA merge handles at most " + std::to_string(kStaged / 2) +
+                                             " candidates per (row, head): world x (topk - 1 - init_blocks) = " +
+                                             std::to_string(m.world * (m.sel.topk - 1 - m.sel.init_blocks)));
   merge_kernel<<<static_cast<unsigned>(ctas), kWarpsPerCta * 32, 0, stream>>>(m);
   INDEXCP_CUDA_LAUNCH_CHECK("merge kernel launch");
 }

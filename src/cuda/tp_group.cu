@@ -39,9 +39,9 @@ class CudaTpIndexer final : public TpIndexer {
   int64_t cache_bytes_per_rank() const override { return caches_[0].size_bytes(); }
 
   void insert(const float* keys, const int64_t* slots, int64_t n, float S) override {
-    require(n >= 0, "num_tokens = " + std::to_string(n) + " must be >= 0");
+    INDEXCP_REQUIRE(n >= 0, "num_tokens = " + std::to_string(n) + " must be >= 0");
     if (n == 0) return;
-    require(keys != nullptr && slots != nullptr, "keys or slot_mapping is null");
+    INDEXCP_REQUIRE(keys != nullptr && slots != nullptr, "keys or slot_mapping is null");
     Dev<float> k(keys, static_cast<size_t>(n) * kHeadDim);
     Dev<int64_t> s(slots, static_cast<size_t>(n));
     InsertOptions o;
@@ -63,7 +63,7 @@ class CudaTpIndexer final : public TpIndexer {
     d.seq_lens = sl.get();
     return run(rows, b.heads, sel, st, [&](int rank, Communicator& comm, int32_t* out, cuda::Stream s) {
       if (cfg_.sharding) {
-        cuda::icp_decode(comm, caches_[rank], 0, d, sel, cfg_.k_rounding, out, s, false);
+        cuda::icp_decode(comm, caches_[rank], 0, d, sel, cfg_.k_rounding, out, s, false, cfg_.p256_stock_decode);
       } else if (cfg_.decode_cp) {
         cuda::decode_cp_replicated(comm, caches_[0], 0, d, sel, cfg_.k_rounding, out, s, false);
       } else {
@@ -105,7 +105,7 @@ class CudaTpIndexer final : public TpIndexer {
   }
 
   std::vector<float> decode_scores(const DecodeBatch& b) override {
-    require(!cfg_.sharding, "decode_scores needs a replicated cache (sharding is on)");
+    INDEXCP_REQUIRE(!cfg_.sharding, "decode_scores needs a replicated cache (sharding is on)");
     (void)decode_rows(b, caches_[0].num_pages(), cfg_.engine.page_size);
     const int64_t rows = b.rows();
     Dev<uint8_t> q(b.q, static_cast<size_t>(rows) * b.heads * kHeadDim);
