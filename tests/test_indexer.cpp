@@ -74,7 +74,7 @@ TEST_P(DecodeVsBruteForce, SelectsTheSameBlocks) {
 INSTANTIATE_TEST_SUITE_P(
     All, DecodeVsBruteForce,
     ::testing::Combine(::testing::Values(KvDtype::kNvfp4, KvDtype::kFp8, KvDtype::kBf16), ::testing::Values(128, 256),
-                       ::testing::Values(1, 8, 16), ::testing::Values(1, 4, 8),
+                       ::testing::Values(1, 8, 16), ::testing::Values(1, 2, 4, 8),
                        ::testing::Values(KRounding::kE4m3, KRounding::kExact)));
 
 TEST(Decode, InitBlocksAreForcedAndNeverDuplicated) {
