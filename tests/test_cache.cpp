@@ -816,3 +816,14 @@ TEST(Preprocess, QuantizeQueries) {
   expect_error([&] { quantize_queries(q.data(), tokens, heads, nopos, keep.data()); }, {"positions"}, "rope");
   expect_error([&] { quantize_queries(q.data(), tokens, 0, {}, keep.data()); }, {"heads"}, "heads");
 }
+
+TEST(CacheLimits, ACacheLargerThanTheLimitIsRefusedWithItsFactorsNamed) {
+  try {
+    indexcp::IndexCache c(indexcp::make_page_layout(indexcp::KvDtype::kNvfp4, 128, 1), int64_t{1} << 50, 1);
+    ADD_FAILURE() << "allocated 2^50 pages";
+  } catch (const indexcp::Error& e) {
+    EXPECT_EQ(e.code(), indexcp::ErrorCode::kRuntime);
+    EXPECT_NE(std::string(e.what()).find("num_pages = 1125899906842624"), std::string::npos) << e.what();
+    EXPECT_EQ(std::string(e.what()).find(".000000"), std::string::npos) << e.what();
+  }
+}

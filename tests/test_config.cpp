@@ -527,3 +527,38 @@ TEST(Capacity, ModelDescFromJson) {
   expect_error([] { ModelDesc::from_json("[]"); }, {"object"}, "array");
   expect_error([] { ModelDesc::from_json("{layers: 1}"); }, {"JSON"}, "not JSON");
 }
+
+// Outside JSON is parsed strictly: a repeated key is refused (it cannot silently mean its last
+// value), and error messages quote at most a short prefix of a huge value.
+TEST(ConfigStrictJson, DuplicateKeysAreRefused) {
+  for (const char* text : {R"({"indexer_kv_dtype":"nvfp4","indexer_kv_dtype":"bf16"})",
+                           R"({"indexer_decode_cp":true, "indexer_decode_cp":true})"}) {
+    try {
+      indexcp::AttentionConfig::from_json(text);
+      ADD_FAILURE() << "accepted " << text;
+    } catch (const indexcp::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("appears twice"), std::string::npos) << e.what();
+    }
+  }
+  const std::string model =
+      R"({"layers":60,"layers":61,"sparse_layers":57,"q_heads":64,"kv_heads":4,"head_dim":128,"index_heads":4,"index_dim":128})";
+  try {
+    indexcp::ModelDesc::from_json(model);
+    ADD_FAILURE() << "accepted a model with a repeated key";
+  } catch (const indexcp::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("\"layers\" appears twice"), std::string::npos) << e.what();
+  }
+}
+
+TEST(ConfigStrictJson, LongValuesAreCutInMessages) {
+  const std::string huge(100000, 'x');
+  for (const std::string& text : {"{\"indexer_kv_dtype\":\"" + huge + "\"}", "{\"" + huge + "\":1}"}) {
+    try {
+      indexcp::AttentionConfig::from_json(text);
+      ADD_FAILURE() << "accepted";
+    } catch (const indexcp::Error& e) {
+      EXPECT_LT(std::string(e.what()).size(), 400u);
+      EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos);
+    }
+  }
+}

@@ -5,6 +5,7 @@
 
 #include "indexcp/config.hpp"
 #include "indexcp/error.hpp"
+#include "json_util.hpp"
 
 namespace indexcp {
 
@@ -17,12 +18,7 @@ ModelDesc ModelDesc::builtin(const std::string& name) {
 }
 
 ModelDesc ModelDesc::from_json(const std::string& text) {
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::exception& e) {
-    throw Error(ErrorCode::kInvalidArgument, std::string("model description is not valid JSON: ") + e.what());
-  }
+  const json j = detail::parse_json_strict(text, "model description");
   if (!j.is_object()) throw Error(ErrorCode::kInvalidArgument, "model description must be a JSON object");
   ModelDesc m;
   m.name = "custom";
@@ -45,9 +41,11 @@ ModelDesc ModelDesc::from_json(const std::string& text) {
                    : k == "index_heads" ? &m.index_heads
                    : k == "index_dim" ? &m.index_dim
                                       : nullptr;
-    if (!dst) throw Error(ErrorCode::kInvalidArgument, "model description: unknown key \"" + k + "\"");
+    if (!dst)
+      throw Error(ErrorCode::kInvalidArgument,
+                  "model description: unknown key \"" + (k.size() > 64 ? k.substr(0, 64) + "..." : k) + "\"");
     if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() > 1000000)
-      throw Error(ErrorCode::kInvalidArgument, "model description: " + k + " = " + v.dump() + " must be a non-negative integer");
+      throw Error(ErrorCode::kInvalidArgument, "model description: " + k + " = " + detail::short_dump(v) + " must be a non-negative integer");
     *dst = static_cast<int32_t>(v.get<int64_t>());
   }
   const auto bad = [](const std::string& k, int64_t v, const std::string& why) {

@@ -6,6 +6,7 @@
 
 #include "indexcp/error.hpp"
 #include "indexcp/layout.hpp"
+#include "json_util.hpp"
 
 namespace indexcp {
 
@@ -17,7 +18,7 @@ namespace {
 
 [[noreturn]] void bad(const std::string& key, const json& v, const std::string& supported) {
   throw Error(ErrorCode::kInvalidArgument,
-              "attention config: " + key + " = " + v.dump() + " is not supported; " + supported);
+              "attention config: " + key + " = " + detail::short_dump(v) + " is not supported; " + supported);
 }
 
 std::string need_string(const std::string& key, const json& v, const std::string& supported) {
@@ -28,13 +29,7 @@ std::string need_string(const std::string& key, const json& v, const std::string
 }  // namespace
 
 AttentionConfig AttentionConfig::from_json(const std::string& text) {
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::exception& e) {
-    throw Error(ErrorCode::kInvalidArgument,
-                std::string("attention config is not valid JSON: ") + e.what());
-  }
+  const json j = detail::parse_json_strict(text, "attention config");
   if (!j.is_object())
     throw Error(ErrorCode::kInvalidArgument,
                 "attention config must be a JSON object, got " + std::string(j.type_name()));
@@ -73,7 +68,7 @@ AttentionConfig AttentionConfig::from_json(const std::string& text) {
       c.prefill_gather_budget_mib = n;
     } else {
       throw Error(ErrorCode::kInvalidArgument,
-                  "attention config: unknown key \"" + k +
+                  "attention config: unknown key \"" + (k.size() > 64 ? k.substr(0, 64) + "..." : k) +
                       "\"; known keys are indexer_kv_dtype, indexer_cache_sharding, "
                       "indexer_prefill_cp, indexer_decode_cp, indexer_k_rounding, "
                       "indexer_prefill_gather_budget_mib");

@@ -22,13 +22,15 @@ IndexCache::IndexCache(const PageLayout& layout, int64_t num_pages, int32_t num_
               std::to_string(layout_.shards) + ")");
   const long double total = static_cast<long double>(num_pages) * layout_.page_stride * num_layers;
   if (total > static_cast<long double>(int64_t{1} << 46))
-    throw Error(ErrorCode::kRuntime, "index cache of " + std::to_string(static_cast<double>(total)) +
-                                         " bytes (num_pages x page_stride x num_layers) is too large");
+    throw Error(ErrorCode::kRuntime,
+                "index cache of num_pages = " + std::to_string(num_pages) + " x page_stride = " +
+                    std::to_string(layout_.page_stride) + " x num_layers = " + std::to_string(num_layers) +
+                    " bytes is larger than the 64 TiB this library allocates");
   try {
     bytes_.assign(static_cast<size_t>(total), 0);
   } catch (const std::bad_alloc&) {
     throw Error(ErrorCode::kRuntime, "could not allocate the index cache (" +
-                                         std::to_string(static_cast<double>(total)) + " bytes)");
+                                         std::to_string(static_cast<int64_t>(total)) + " bytes)");
   }
 }
 
