@@ -343,3 +343,147 @@ TEST(Cli, ReplayThroughTheCommand) {
   EXPECT_FALSE(fs::exists(d / "out3"));
   fs::remove_all(d);
 }
+
+// A refused grid says why (the first refusal and how many), and nothing but the error is printed.
+TEST(Cli, RunRefusingEveryCombinationSaysWhy) {
+  const fs::path d = temp_dir();
+  expect_error(run("run --synthetic --tokens 2048 --heads 5 --backend cpu", d), 2,
+               {"heads = 5 and tp = 2 do not divide one another", "combinations refused"});
+  expect_error(run("run --synthetic --kv-dtype bf16 --sharding on --backend cpu", d), 2,
+               {"indexer_cache_sharding = \"on\" with indexer_kv_dtype = \"bf16\"", "combinations refused"});
+  EXPECT_TRUE(run("run --synthetic --kv-dtype bf16 --sharding on --backend cpu", d).out.empty());
+  fs::remove_all(d);
+}
+
+// Every budget flag: one limit, a readable message.
+TEST(Cli, BudgetLimitsAreReadable) {
+  const fs::path d = temp_dir();
+  for (const std::string v : {"8.6e9", "0", "-1", "inf", "nan", "1e999"}) {
+    const auto r = run("capacity --budget-gib " + v, d);
+    expect_error(r, 2, {"--budget-gib = ", "must be > 0 and at most 1048576"});
+    EXPECT_LT(r.err.size(), 200u) << r.err;
+    EXPECT_EQ(r.err.find("not in range"), std::string::npos) << r.err;
+  }
+  expect_error(run("capacity --budget-gib 0", d), 2, {"--budget-gib = 0 must be > 0 and at most 1048576"});
+  expect_error(run("capacity --budget-gib 1e-12", d), 2, {"--budget-gib = 1e-12", "less than one byte"});
+  expect_error(run("capacity --budget-bytes 0", d), 2, {"--budget-bytes = 0", "must be > 0 and at most 1125899906842624"});
+  expect_error(run("capacity --budget-bytes 1125899906842625", d), 2, {"--budget-bytes", "at most 1125899906842624"});
+  EXPECT_EQ(run("capacity --budget-gib 1048576", d).status, 0);
+  EXPECT_EQ(run("capacity --budget-bytes 1125899906842624", d).status, 0);
+  for (const std::string v : {"0", "-1", "inf", "2e6"})
+    expect_error(run("run --synthetic --capacity-budget-gib " + v, d), 2,
+                 {"--capacity-budget-gib = ", "must be > 0 and at most 1048576"});
+  fs::remove_all(d);
+}
+
+// The sharding note only where sharding truly does not apply; no ratio of 0; the upstream
+// sentence only at the reference settings, with the printed ratio.
+TEST(Cli, CapacityNotesAreTrue) {
+  const fs::path d = temp_dir();
+  const std::string na = "sharding does not apply";
+  auto r = run("capacity --budget-bytes 1", d);
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(r.out.find(na), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("fewer than one page"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("x0.000"), std::string::npos) << r.out;
+  r = run("capacity", d);
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(r.out.find(na), std::string::npos) << r.out;
+  const auto p = r.out.find("ratio on/off: x");
+  ASSERT_NE(p, std::string::npos) << r.out;
+  const std::string ratio = r.out.substr(p + 15, 5);
+  EXPECT_NE(r.out.find("the planner gives x" + ratio), std::string::npos) << r.out;
+  for (const std::string a : {"--tp 1", "--index-dtype bf16"}) {
+    r = run("capacity " + a, d);
+    ASSERT_EQ(r.status, 0) << r.err;
+    EXPECT_NE(r.out.find(na), std::string::npos) << a << ": " << r.out;
+    EXPECT_EQ(r.out.find("upstream reference"), std::string::npos) << a << ": " << r.out;
+  }
+  for (const std::string a : {"--tp 4", "--page-size 256", "--kv-dtype fp8", "--index-dtype fp8"}) {
+    r = run("capacity " + a, d);
+    ASSERT_EQ(r.status, 0) << r.err;
+    EXPECT_EQ(r.out.find(na), std::string::npos) << a << ": " << r.out;
+    EXPECT_EQ(r.out.find("upstream reference"), std::string::npos) << a << ": " << r.out;
+  }
+  { std::ofstream(d / "m.json") << R"({"layers": 2, "sparse_layers": 0, "q_heads": 8, "kv_heads": 2, "head_dim": 128, "index_heads": 4, "index_dim": 128})"; }
+  r = run("capacity --model " + q(d / "m.json"), d);
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("no sparse layers"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("upstream reference"), std::string::npos) << r.out;
+  fs::remove_all(d);
+}
+
+// An environment error is not attributed to case.json.
+TEST(Cli, EnvironmentErrorsAreNotCaseErrors) {
+  const fs::path d = temp_dir();
+  write_case(d / "case");
+  ::setenv("INDEXCP_P256_STOCK_DECODE", "garbage", 1);
+  const auto r = run("replay " + q(d / "case") + " --out " + q(d / "out") + " --backend cpu", d);
+  const auto r2 = run("run --synthetic --backend cpu", d);
+  ::unsetenv("INDEXCP_P256_STOCK_DECODE");
+  expect_error(r, 2, {"INDEXCP_P256_STOCK_DECODE"});
+  EXPECT_EQ(r.err.find("case.json"), std::string::npos) << r.err;
+  EXPECT_FALSE(fs::exists(d / "out"));
+  expect_error(r2, 2, {"INDEXCP_P256_STOCK_DECODE"});
+  EXPECT_EQ(r2.err.find("refuses"), std::string::npos) << r2.err;
+  fs::remove_all(d);
+}
+
+// Repeated flag values run once; a grid without a sharded run does not claim sharded results;
+// --heads is refused on real data it does not describe.
+TEST(Cli, RunGridIsWhatWasAsked) {
+  const fs::path d = temp_dir();
+  const std::string small = "run -q --synthetic --requests 1 --tokens 1024 --prefill-tokens 16 --steps 1 --backend cpu ";
+  auto r = run(small + "--kv-dtype nvfp4 --kv-dtype nvfp4,nvfp4 --tp 2 --tp 2 --page-size 128,128 --sharding on,on,off "
+                       "--json " + q(d / "r.json"), d);
+  ASSERT_EQ(r.status, 0) << r.err;
+  json j = json::parse(slurp(d / "r.json"));
+  EXPECT_EQ(j["configs"].size(), 2u);
+  EXPECT_EQ(j["sharded_configurations_run"], 1);
+  EXPECT_NE(r.out.find("in every configuration"), std::string::npos) << r.out;
+  r = run(small + "--kv-dtype nvfp4 --tp 1 --page-size 128 --json " + q(d / "r1.json"), d);
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(r.out.find("in every configuration"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("no sharded configuration ran"), std::string::npos) << r.out;
+  EXPECT_EQ(json::parse(slurp(d / "r1.json"))["sharded_configurations_run"], 0);
+  r = run(small + "--kv-dtype nvfp4 --tp 2 --page-size 128 --sharding off", d);
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("no sharded configuration ran (--sharding off)"), std::string::npos) << r.out;
+  write_data(d / "data", 1, 600, 40, 4);
+  expect_error(run("run --data " + q(d / "data") + " --heads 8 --prefill-tokens 16 --steps 1", d), 2,
+               {"--heads = 8", "4 query heads"});
+  r = run("run -q --data " + q(d / "data") + " --heads 4 --prefill-tokens 16 --steps 1 --tp 2 --kv-dtype nvfp4 "
+          "--page-size 128 --backend cpu", d);
+  EXPECT_EQ(r.status, 0) << r.err;
+  fs::remove_all(d);
+}
+
+// tools/make_example_case.py writes a case that replays, replaces its own earlier files and
+// refuses a directory holding anything else (skipped without python3 + numpy).
+TEST(Cli, MakeExampleCaseWritesAFreshCase) {
+  const fs::path script = fs::path(__FILE__).parent_path().parent_path() / "tools" / "make_example_case.py";
+  if (!fs::exists(script)) GTEST_SKIP() << script << " not found";
+  if (std::system("python3 -c 'import numpy' >/dev/null 2>&1") != 0) GTEST_SKIP() << "python3 with numpy not available";
+  const fs::path d = temp_dir();
+  const auto py = [&](const std::string& args) {
+    const std::string cmd = "python3 " + q(script) + " " + args + " >" + q(d / "py.out") + " 2>" + q(d / "py.err");
+    const int rc = std::system(cmd.c_str());
+    return WIFEXITED(rc) ? WEXITSTATUS(rc) : 128;
+  };
+  const std::string c = q(d / "case");
+  ASSERT_EQ(py(c + " --synthetic --phase prefill --tokens 1024 --prefill-tokens 16"), 0) << slurp(d / "py.err");
+  EXPECT_TRUE(fs::exists(d / "case" / "query_start.npy"));
+  std::ofstream(d / "case" / "cache.npy") << "stale";         // of an earlier case
+  std::ofstream(d / "case" / "expected_topk.npy") << "stale";
+  ASSERT_EQ(py(c + " --synthetic --phase decode --tokens 1024 --query-len 4"), 0) << slurp(d / "py.err");
+  for (const char* f : {"query_start.npy", "cache.npy", "expected_topk.npy"})
+    EXPECT_FALSE(fs::exists(d / "case" / f)) << f;
+  auto r = run("replay " + c + " --out " + q(d / "out") + " --backend cpu", d);
+  EXPECT_EQ(r.status, 0) << r.err;
+  std::ofstream(d / "case" / "notes.txt") << "mine";
+  EXPECT_NE(py(c + " --synthetic"), 0);
+  EXPECT_NE(slurp(d / "py.err").find("notes.txt"), std::string::npos) << slurp(d / "py.err");
+  EXPECT_TRUE(fs::exists(d / "case" / "notes.txt"));
+  EXPECT_TRUE(fs::exists(d / "case" / "case.json"));
+  fs::remove_all(d);
+}

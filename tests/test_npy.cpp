@@ -142,6 +142,23 @@ TEST(Npy, EveryBadHeaderIsRefusedWithTheFileNamed) {
   auto v = image(ok, 24);
   v[0] = 0x92;
   expect_refused(v, "bad magic");
+  // a file that starts with the magic but ends inside the preamble is truncated, not "bad magic"
+  for (std::size_t n : {3, 6, 7, 8, 9}) {
+    std::vector<uint8_t> head = image(ok, 24);
+    head.resize(n);
+    try {
+      npy::parse(head, "some/file.npy");
+      ADD_FAILURE() << n << " bytes accepted";
+    } catch (const Error& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find("truncated"), std::string::npos) << n << ": " << m;
+      EXPECT_EQ(m.find("magic"), std::string::npos) << n << ": " << m;
+    }
+  }
+  v = image(ok, 24, 2, 0);
+  v.resize(11);
+  expect_refused(v, "truncated inside the .npy preamble");
+  expect_refused({'P', 'K'}, "bad magic");
   expect_refused(image(ok, 24, 3, 0), "version 3.0 is not supported");
   expect_refused(image(ok, 24, 1, 1), "version 1.1 is not supported");
   expect_refused(image(ok, 24, 4, 0), "version 4.0");

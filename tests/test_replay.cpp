@@ -667,3 +667,24 @@ TEST_F(InvalidCase, OutputPathThatIsAFile) {
     EXPECT_NE(std::string(e.what()).find("is not a directory"), std::string::npos) << e.what();
   }
 }
+
+// spec/cases.md: query_len is decode only; a prefill case carrying it is accepted and the report
+// notes that it is ignored.
+TEST(Replay, PrefillQueryLenIsNotedInTheReport) {
+  const fs::path d = temp_dir();
+  TCase c = prefill_case("nvfp4", true, 128, 2);
+  c.generate(3);
+  c.write(d / "case");
+  json j = c.case_json();
+  j["query_len"] = 4;
+  std::ofstream(d / "case" / "case.json", std::ios::trunc) << j.dump();
+  ReplayOptions o;
+  o.backend = "cpu";
+  const ReplayResult r = replay_case((d / "case").string(), (d / "out").string(), o);
+  EXPECT_EQ(r.exit_code(), 0);
+  const json rep = read_report(d / "out");
+  bool noted = false;
+  for (const auto& n : rep["notes"]) noted = noted || n.get<std::string>().find("query_len") != std::string::npos;
+  EXPECT_TRUE(noted) << rep["notes"].dump();
+  fs::remove_all(d);
+}

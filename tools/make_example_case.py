@@ -9,6 +9,9 @@ distribution. Replay it with
 
     build/bin/indexcp replay CASE_DIR --out OUT_DIR [--scores]
 
+CASE_DIR must be new or empty; case files of an earlier run there (case.json, *.npy of the case
+format) are replaced, and a directory holding anything else is refused.
+
 Usage: python3 tools/make_example_case.py CASE_DIR [--phase decode|prefill] [--kv-dtype nvfp4|fp8]
            [--sharding on|off] [--tp W] [--page-size P] [--requests B] [--tokens L] [--query-len Q]
            [--prefill-tokens T] [--synthetic] [--seed N]
@@ -25,6 +28,34 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DATA = os.path.join(HERE, "..", "data", "minilm_stdlib")
+
+
+# Every file of the case format (spec/cases.md). A case directory is read as a whole, so stale
+# files of an earlier case (a cache.npy beside the new keys.npy, an old expected_topk.npy, a
+# prefill query_start.npy in a decode case) would change or break the replay.
+CASE_FILES = ("case.json", "block_table.npy", "seq_lens.npy", "keys.npy", "cache.npy", "q.npy",
+              "query_start.npy", "expected_topk.npy")
+
+
+def prepare_case_dir(case_dir: str) -> None:
+    """Makes `case_dir` an empty directory: creates it, or removes the case files an earlier run
+    wrote there; refuses a directory that holds anything else (exit status 2)."""
+    if os.path.exists(case_dir) and not os.path.isdir(case_dir):
+        sys.exit(f"make_example_case.py: error: {case_dir}: exists and is not a directory")
+    if os.path.isdir(case_dir):
+        others = sorted(n for n in os.listdir(case_dir) if n not in CASE_FILES)
+        if others:
+            shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+            print(f"make_example_case.py: error: {case_dir}: not empty and holds files that are not part of a "
+                  f"case ({shown}); give a new or empty directory", file=sys.stderr)
+            sys.exit(2)
+        for n in CASE_FILES:
+            path = os.path.join(case_dir, n)
+            if os.path.isdir(path):
+                sys.exit(f"make_example_case.py: error: {path}: is a directory")
+            if os.path.exists(path):
+                os.remove(path)
+    os.makedirs(case_dir, exist_ok=True)
 
 
 def main() -> int:
@@ -88,7 +119,7 @@ def main() -> int:
     }
     if a.phase == "decode":
         case["query_len"] = T
-    os.makedirs(a.case_dir, exist_ok=True)
+    prepare_case_dir(a.case_dir)
     with open(os.path.join(a.case_dir, "case.json"), "w") as f:
         json.dump(case, f, indent=2)
         f.write("\n")

@@ -9,7 +9,9 @@
 namespace indexcp {
 
 /// A group of `world()` ranks exchanging byte buffers. Collective calls must be made by every
-/// rank of the group in the same order with the same sizes. `stream` is a cudaStream_t for
+/// rank of the group in the same order with the same `bytes` (a mismatch is undefined); send and
+/// recv must not overlap. A rank that fails before a collective must abort the group (run_ranks
+/// does this), or its peers wait forever. `stream` is a cudaStream_t for
 /// device communicators (nullptr on the CPU). Failures throw indexcp::Error (kRuntime), also
 /// when the group was aborted while a call waited.
 class Communicator {
@@ -38,7 +40,8 @@ class InProcessGroup {
   int world() const;
   /// The communicator of rank r (0 <= r < world).
   Communicator& comm(int r);
-  /// Makes every pending and future collective throw Error("communicator aborted").
+  /// Makes every pending and future collective throw Error("communicator aborted"); a rank
+  /// already copying inside a collective finishes it first. An aborted group cannot be reused.
   void abort();
 
   struct State;

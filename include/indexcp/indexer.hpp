@@ -33,7 +33,10 @@ struct DecodeBatch {
   int32_t max_pages = 0;
   const int32_t* seq_lens = nullptr;
   int32_t query_len = 1;
-  int64_t rows() const { return static_cast<int64_t>(num_requests) * query_len; }
+  /// num_requests * query_len (0 when either is not positive).
+  int64_t rows() const {
+    return (num_requests <= 0 || query_len <= 0) ? 0 : static_cast<int64_t>(num_requests) * query_len;
+  }
 };
 
 /// One prefill batch. Like DecodeBatch, but request b has a chunk of T_b = query_start[b+1] -
@@ -47,7 +50,10 @@ struct PrefillBatch {
   int32_t max_pages = 0;
   const int32_t* seq_lens = nullptr;
   const int32_t* query_start = nullptr;
-  int64_t rows() const { return num_requests == 0 ? 0 : query_start[num_requests]; }
+  /// query_start[num_requests] (0 when query_start is null or num_requests <= 0).
+  int64_t rows() const {
+    return (num_requests <= 0 || query_start == nullptr) ? 0 : query_start[num_requests];
+  }
 };
 
 /// A query row: the request it belongs to and its absolute position (-1: padding, selects
@@ -94,9 +100,15 @@ struct BlockFilter {
 /// of block b stored on this rank of sum_d q[row][h][d] * k_hat[token][d] (indexer.md sections
 /// 2-3, 5.1). q uint8 E4M3 [rows, heads, 128].
 ///
+/// `rows` must come from decode_rows / prefill_rows of a batch using this block_table (request
+/// indices are trusted); each live row's local block must lie below max_pages * P / 128 and the
+/// block-table entries of its historical blocks in [0, num_pages), else Error naming the row.
+/// The result holds rows x nh x max_pages*P/128 fp32 + bytes: Error (kRuntime) beyond 2^31
+/// entries or when the allocation fails.
+///
 /// Arithmetic (docs/decisions.md): every product q*k_hat is exact and the sum over d is formed
-/// exactly in fp64 (for FP8/NVFP4 keys all 128 exact products fit in 53 bits) then rounded once
-/// to fp32, so a (query, head, token) dot product is bit-identical on every CPU scorer and does
+/// exactly in fp64 (for FP8/NVFP4 keys all 128 products are multiples of 2^-19 below 2^28) then
+/// rounded once to fp32, so a (query, head, token) dot product is bit-identical on every CPU scorer and does
 /// not depend on summation order or thread count. A NaN dot product is ignored by the block max.
 BlockScores score_blocks(const IndexCache& cache, int32_t layer, const std::vector<QueryRow>& rows,
                          const int32_t* block_table, int32_t max_pages, const uint8_t* q,
@@ -118,7 +130,8 @@ inline bool candidate_better(float sa, int32_t ia, float sb, int32_t ib) {
 }
 
 /// Selection from complete scores (indexer.md section 4): out int32 [rows, nh, K], ascending ids
-/// then -1. Uses scores.valid only to size; every historical block must be valid.
+/// then -1. Every historical block of every row must have a score (rows as for score_blocks;
+/// Error when a row's local block is beyond scores.max_blocks or the sizes disagree).
 void select_topk(const BlockScores& scores, const std::vector<QueryRow>& rows,
                  const SelectionParams& sel, int32_t* out);
 

@@ -106,17 +106,38 @@ void write_file_atomic(const std::string& path, const std::string& text) {
   }
 }
 
+int64_t budget_bytes_from_gib(double gib, const std::string& flag) {
+  const std::string limits = " must be > 0 and at most " + fmt("%.0f", kMaxBudgetGib) + " (GiB per rank)";
+  if (!std::isfinite(gib) || !(gib > 0) || gib > kMaxBudgetGib)
+    throw Error(ErrorCode::kInvalidArgument, flag + " = " + fmt("%g", gib) + limits);
+  const int64_t bytes = static_cast<int64_t>(std::llround(gib * 1073741824.0));
+  if (bytes < 1)
+    throw Error(ErrorCode::kInvalidArgument, flag + " = " + fmt("%g", gib) + " is less than one byte;" + limits);
+  return bytes;
+}
+
+int64_t checked_budget_bytes(int64_t bytes, const std::string& flag) {
+  if (bytes < 1 || bytes > kMaxBudgetBytes)
+    throw Error(ErrorCode::kInvalidArgument, flag + " = " + std::to_string(bytes) + " must be > 0 and at most " +
+                                                 std::to_string(kMaxBudgetBytes) + " (1 PiB per rank)");
+  return bytes;
+}
+
 std::string upstream_reference_note(const std::string& model, int64_t budget_bytes) {
   const ModelDesc m = load_model(model);
   const CapacityReport r = plan_capacity(m, budget_bytes, KvDtype::kNvfp4, KvDtype::kNvfp4, 2, 128);
   const double ru = static_cast<double>(kUpstreamOn) / static_cast<double>(kUpstreamOff);
   const int64_t kv = r.off.kv_bytes_per_token, ioff = r.off.index_bytes_per_token, ion = r.on.index_bytes_per_token;
-  // bytes per token that the upstream figure must hold besides K/V and the index for its ratio
-  const double extra = (static_cast<double>(ioff) - ru * static_cast<double>(ion)) / (ru - 1.0) - static_cast<double>(kv);
   std::string s = "upstream reference (MiniMax-M3.1-Flash, GB300, TP2, P128, NVFP4 KV + index): " + fmt_int(kUpstreamOff) +
-                  " -> " + fmt_int(kUpstreamOn) + " tokens (x" + fmt("%.3f", ru) + "); the planner gives x" +
-                  fmt("%.3f", r.ratio()) + " for " + m.name + " at those settings because it counts only K/V (" +
-                  fmt_int(kv) + " B/token/rank) and the index (" + fmt_int(ioff) + " -> " + fmt_int(ion) + " B)";
+                  " -> " + fmt_int(kUpstreamOn) + " tokens (x" + fmt("%.3f", ru) + "); ";
+  if (r.off.tokens == 0)
+    return s + "at this budget " + m.name + " holds fewer than one page (128 tokens) with sharding off, so the "
+               "planner gives no ratio to compare";
+  s += "the planner gives x" + fmt("%.3f", r.ratio()) + " for " + m.name +
+       " at those settings because it counts only K/V (" + fmt_int(kv) + " B/token/rank) and the index (" +
+       fmt_int(ioff) + " -> " + fmt_int(ion) + " B)";
+  // bytes per token per rank that the upstream figure must hold besides K/V and the index for its ratio
+  const double extra = (static_cast<double>(ioff) - ru * static_cast<double>(ion)) / (ru - 1.0) - static_cast<double>(kv);
   if (extra > 0)
     s += "; the upstream ratio implies about " + fmt_int(static_cast<int64_t>(std::llround(extra))) +
          " more B/token/rank that sharding does not shrink (draft-model/MTP KV and reserved memory), which dilutes "
@@ -127,18 +148,23 @@ std::string upstream_reference_note(const std::string& model, int64_t budget_byt
 }
 
 int capacity_command(const CapacityOptions& o) {
+  const int64_t budget = o.budget_bytes_given ? checked_budget_bytes(o.budget_bytes, "--budget-bytes")
+                                              : budget_bytes_from_gib(o.budget_gib, "--budget-gib");
   if (!o.json_path.empty()) check_output_path(o.json_path, "--json");
   const ModelDesc m = load_model(o.model);
-  int64_t budget = o.budget_bytes;
-  if (budget <= 0) {
-    if (!(o.budget_gib > 0) || o.budget_gib > 1e9)
-      throw Error(ErrorCode::kInvalidArgument, "--budget-gib = " + fmt("%g", o.budget_gib) + " must be > 0");
-    budget = static_cast<int64_t>(std::llround(o.budget_gib * 1073741824.0));
-  }
   const KvDtype kv = parse_kv_dtype(o.kv_dtype, "--kv-dtype");
   const KvDtype ix = parse_kv_dtype(o.index_dtype, "--index-dtype");
   const CapacityReport r = plan_capacity(m, budget, kv, ix, o.tp, o.page_size);
-  const std::string note = upstream_reference_note(o.model, budget);
+  // the upstream comparison holds only at its own settings (the built-in model, TP2, P128, NVFP4 KV + index)
+  const bool reference_settings = o.model == "minimax-m3" && o.tp == 2 && o.page_size == 128 &&
+                                  kv == KvDtype::kNvfp4 && ix == KvDtype::kNvfp4;
+  const std::string note = reference_settings ? upstream_reference_note(o.model, budget) : "";
+  // why "on" cannot shrink the index here (empty: it does)
+  std::string no_shard;
+  if (m.sparse_layers == 0) no_shard = "the model has no sparse layers, so it has no index cache";
+  else if (ix == KvDtype::kBf16) no_shard = "a bf16 index cache is never sharded";
+  else if (o.tp == 1) no_shard = "at TP1 one rank keeps the whole index";
+  else if ((o.page_size / o.tp) % 16 != 0) no_shard = "page_size / tp rows per rank are not a multiple of 16";
 
   std::ostringstream os;
   os << "model " << m.name << ": " << m.layers << " layers (" << m.sparse_layers << " sparse), " << m.kv_heads
@@ -156,18 +182,28 @@ int capacity_command(const CapacityOptions& o) {
                   fmt_int(c->kv_bytes_per_token + c->index_bytes_per_token).c_str(), fmt_int(c->tokens).c_str());
     os << line;
   }
-  os << "ratio on/off: x" << fmt("%.3f", r.ratio()) << "\n";
-  if (r.on.tokens == r.off.tokens)
-    os << "(sharding does not apply here: a bf16 index, TP1, or P/TP rows not a multiple of 16)\n";
-  os << note << "\n";
+  if (r.off.tokens == 0 && r.on.tokens == 0)
+    os << "ratio on/off: none (the budget holds fewer than one page of " << o.page_size
+       << " tokens with sharding off or on)\n";
+  else if (r.off.tokens == 0)
+    os << "ratio on/off: none (the budget holds fewer than one page of " << o.page_size
+       << " tokens with sharding off; " << fmt_int(r.on.tokens) << " with sharding on)\n";
+  else
+    os << "ratio on/off: x" << fmt("%.3f", r.ratio()) << "\n";
+  if (!no_shard.empty()) os << "(sharding does not apply here: " << no_shard << ")\n";
+  if (!note.empty()) os << note << "\n";
   if (!o.json_path.empty()) {
     json j = json::parse(r.to_json());
     j["budget_gib"] = static_cast<double>(budget) / 1073741824.0;
-    j["upstream_reference"] = {{"model", "MiniMax-M3.1-Flash"}, {"gpu", "GB300"}, {"tp", 2}, {"page_size", 128},
-                               {"kv_dtype", "nvfp4"}, {"index_dtype", "nvfp4"}, {"off_tokens", kUpstreamOff},
-                               {"on_tokens", kUpstreamOn},
-                               {"ratio", static_cast<double>(kUpstreamOn) / static_cast<double>(kUpstreamOff)}};
-    j["note"] = note;
+    if (r.off.tokens == 0) j["ratio"] = nullptr;
+    if (!no_shard.empty()) j["sharding_does_not_apply"] = no_shard;
+    if (reference_settings) {
+      j["upstream_reference"] = {{"model", "MiniMax-M3.1-Flash"}, {"gpu", "GB300"}, {"tp", 2}, {"page_size", 128},
+                                 {"kv_dtype", "nvfp4"}, {"index_dtype", "nvfp4"}, {"off_tokens", kUpstreamOff},
+                                 {"on_tokens", kUpstreamOn},
+                                 {"ratio", static_cast<double>(kUpstreamOn) / static_cast<double>(kUpstreamOff)}};
+      j["note"] = note;
+    }
     write_file_atomic(o.json_path, j.dump(2) + "\n");
   }
   std::cout << os.str() << std::flush;

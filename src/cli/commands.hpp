@@ -23,6 +23,7 @@ struct RunOptions {
   int32_t query_len = 8;            ///< decode queries per request per step
   int32_t layers = 1;
   int32_t heads = 4;                ///< synthetic only (real data: the queries' head count)
+  bool heads_given = false;         ///< --heads was on the command line (refused unless it matches real data)
   int32_t topk = 16;
   std::vector<std::string> kv_dtypes = {"nvfp4", "fp8"};
   std::vector<int32_t> page_sizes = {128, 256};
@@ -42,7 +43,8 @@ int replay_command(const std::string& case_dir, const std::string& out_dir, cons
 struct CapacityOptions {
   std::string model = "minimax-m3";
   double budget_gib = 100.0;
-  int64_t budget_bytes = 0;  ///< > 0 overrides budget_gib
+  int64_t budget_bytes = 0;  ///< used when budget_bytes_given (overrides budget_gib)
+  bool budget_bytes_given = false;
   std::string kv_dtype = "nvfp4", index_dtype = "nvfp4";
   int32_t tp = 2, page_size = 128;
   std::string json_path;
@@ -53,6 +55,16 @@ int capacity_command(const CapacityOptions& o);
 /// point (5,492,736 vs 6,030,720 tokens, x1.098 at GB300 TP2 P128 NVFP4 KV + index), for the
 /// model `model_name_or_file` (the built-in minimax-m3 by default) at `budget_bytes`.
 std::string upstream_reference_note(const std::string& model_name_or_file, int64_t budget_bytes);
+
+/// The one limit of every memory budget flag (--budget-gib, --budget-bytes, --capacity-budget-gib):
+/// 1 PiB per rank.
+constexpr int64_t kMaxBudgetBytes = int64_t{1} << 50;
+constexpr double kMaxBudgetGib = static_cast<double>(kMaxBudgetBytes >> 30);  // 1048576
+/// Bytes of a budget of `gib` GiB given by `flag`; Error (kInvalidArgument) naming the flag and the
+/// limits unless 0 < gib <= kMaxBudgetGib and the budget is at least one byte.
+int64_t budget_bytes_from_gib(double gib, const std::string& flag);
+/// Checks a budget in bytes given by `flag` (1 .. kMaxBudgetBytes).
+int64_t checked_budget_bytes(int64_t bytes, const std::string& flag);
 
 /// `indexcp config`.
 struct ConfigOptions {

@@ -100,7 +100,9 @@ static int real_main(int argc, char** argv) {
   run->add_option("--layers", ro.layers, "layers to run (real data: the same layer's data each time)")
       ->check(CLI::Range(1, 64))
       ->capture_default_str();
-  run->add_option("--heads", ro.heads, "index heads of synthetic data")->check(CLI::Range(1, 64))->capture_default_str();
+  auto* heads = run->add_option("--heads", ro.heads, "index heads of synthetic data (real data: the queries' heads)")
+                    ->check(CLI::Range(1, 64))
+                    ->capture_default_str();
   run->add_option("--topk", ro.topk, "blocks selected per row and head")->check(CLI::Range(2, 1024))->capture_default_str();
   run->add_option("--kv-dtype", ro.kv_dtypes, "index cache dtypes")
       ->delimiter(',')
@@ -119,8 +121,8 @@ static int real_main(int argc, char** argv) {
       ->check(CLI::IsMember({"off", "on"}))
       ->capture_default_str();
   run->add_option("--capacity-budget-gib", ro.capacity_budget_gib,
-                  "memory budget per rank for the report's capacity section (minimax-m3, TP2 P128, NVFP4)")
-      ->check(CLI::PositiveNumber)
+                  "memory budget per rank for the report's capacity section (minimax-m3, TP2 P128, NVFP4); "
+                  "> 0, at most 1048576")
       ->capture_default_str();
   run->add_option("--json", ro.json_path, "write the report as JSON to FILE");
   run->add_flag("-q,--quiet", ro.quiet, "no progress lines on stderr");
@@ -151,11 +153,11 @@ static int real_main(int argc, char** argv) {
   CapacityOptions co;
   auto* cap = app.add_subcommand("capacity", "KV-cache capacity in tokens with index-cache sharding off and on");
   cap->add_option("--model", co.model, "built-in model name (minimax-m3) or a model JSON file")->capture_default_str();
-  auto* gib = cap->add_option("--budget-gib", co.budget_gib, "KV-cache memory budget per rank in GiB")
-                  ->check(CLI::PositiveNumber)
+  // (the limits are checked by the command, with one message: commands.hpp kMaxBudgetBytes)
+  auto* gib = cap->add_option("--budget-gib", co.budget_gib, "KV-cache memory budget per rank in GiB (> 0, at most 1048576)")
                   ->capture_default_str();
-  auto* bytes = cap->add_option("--budget-bytes", co.budget_bytes, "KV-cache memory budget per rank in bytes")
-                    ->check(CLI::Range(int64_t{1}, int64_t{1} << 50));
+  auto* bytes = cap->add_option("--budget-bytes", co.budget_bytes,
+                                "KV-cache memory budget per rank in bytes (> 0, at most 2^50)");
   gib->excludes(bytes);
   cap->add_option("--kv-dtype", co.kv_dtype, "KV cache dtype")
       ->check(CLI::IsMember({"bf16", "fp8", "nvfp4"}))
@@ -191,10 +193,13 @@ static int real_main(int argc, char** argv) {
     print_error(std::string(e.what()) + " (see indexcp --help)");
     return 2;
   }
-  if (run->parsed()) return run_command(ro);
+  if (run->parsed()) {
+    ro.heads_given = heads->count() > 0;
+    return run_command(ro);
+  }
   if (rep->parsed()) return replay_command(case_dir, out_dir, replay_backend, scores);
   if (cap->parsed()) {
-    if (bytes->count() == 0) co.budget_bytes = 0;
+    co.budget_bytes_given = bytes->count() > 0;
     return capacity_command(co);
   }
   if (con->parsed()) return config_command(cfg);

@@ -366,8 +366,22 @@ std::string fmt(const char* f, double v) {
 
 // ---------------------------------------------------------------------------------------------
 
-int run_command(const RunOptions& o) {
+// The values of a repeated flag (--tp 2 --tp 2, --kv-dtype nvfp4,nvfp4) once each, in order.
+template <class T>
+std::vector<T> unique_in_order(const std::vector<T>& v) {
+  std::vector<T> out;
+  for (const T& x : v)
+    if (std::find(out.begin(), out.end(), x) == out.end()) out.push_back(x);
+  return out;
+}
+
+int run_command(const RunOptions& opts) {
   const double t_start = now_s();
+  RunOptions o = opts;
+  o.kv_dtypes = unique_in_order(o.kv_dtypes);
+  o.page_sizes = unique_in_order(o.page_sizes);
+  o.tps = unique_in_order(o.tps);
+  o.shardings = unique_in_order(o.shardings);
   if (!o.json_path.empty()) check_output_path(o.json_path, "--json");
   const auto progress = [&](const std::string& s) {
     if (!o.quiet) std::cerr << "indexcp run: " << s << std::endl;
@@ -385,11 +399,12 @@ int run_command(const RunOptions& o) {
     bad("--synthetic cannot be combined with --data, --keys or --queries");
   if (o.keys_file.empty() != o.queries_file.empty()) bad("--keys and --queries go together");
   if (!o.keys_file.empty() && !o.data_dir.empty()) bad("--data cannot be combined with --keys/--queries");
-  if (!(o.capacity_budget_gib > 0) || o.capacity_budget_gib > 1e6)
-    bad("--capacity-budget-gib = " + std::to_string(o.capacity_budget_gib) + " must be in (0, 1e6]");
+  const int64_t budget = budget_bytes_from_gib(o.capacity_budget_gib, "--capacity-budget-gib");
 
-  // an unavailable backend fails now, not after the data is loaded
-  if (o.backend != "cpu") (void)make_tp_indexer(o.backend, resolve_config(AttentionConfig{}, EngineParams{}), 1);
+  // the environment (INDEXCP_P256_STOCK_DECODE) fails now, on its own, not as a policy refusal of
+  // every combination; an unavailable backend fails now, not after the data is loaded
+  const ResolvedConfig rc_default = resolve_config(AttentionConfig{}, EngineParams{});
+  if (o.backend != "cpu") (void)make_tp_indexer(o.backend, rc_default, 1);
 
   // ---- the grid
   std::vector<KvDtype> dts;
@@ -419,8 +434,11 @@ int run_command(const RunOptions& o) {
     if (static_cast<int64_t>(R) * T > (int64_t{1} << 23))
       bad("--requests x --tokens = " + std::to_string(static_cast<int64_t>(R) * T) +
           " synthetic tokens is too large (at most 8,388,608)");
-    progress("generating synthetic data (" + std::to_string(R) + " requests x " + std::to_string(T) + " tokens)");
-    data = make_synthetic(R, T, rows_per_req, o.heads, o.seed);
+    // generated once the policy accepts some combination (an error then is the only output)
+    data.R = R;
+    data.T = T;
+    data.Qn = rows_per_req;
+    data.H = o.heads;
   } else {
     std::string kp = o.keys_file, qp = o.queries_file;
     if (kp.empty()) {
@@ -466,11 +484,10 @@ int run_command(const RunOptions& o) {
           " x --query-len " + std::to_string(o.query_len) + " = " + std::to_string(rows_per_req) +
           " query positions, but " + data.queries_path + " holds queries for the last " + std::to_string(data.Qn) +
           " positions of each request");
+    if (o.heads_given && o.heads != data.H)
+      bad("--heads = " + std::to_string(o.heads) + " applies to --synthetic data only; " + data.queries_path +
+          " holds " + std::to_string(data.H) + " query heads");
   }
-  if (!o.synthetic)
-    progress("loaded " + data.keys_path + " (" + std::to_string(data.R) + " requests x " + std::to_string(data.T) +
-             " tokens, " + data.keys_dtype + ") and " + data.queries_path + " (last " + std::to_string(data.Qn) +
-             " positions x " + std::to_string(data.H) + " heads, " + data.queries_dtype + ")");
   Workload w;
   w.R = o.requests ? o.requests : data.R;
   w.L = o.tokens ? o.tokens : data.T;
@@ -531,7 +548,26 @@ int run_command(const RunOptions& o) {
         plan.push_back({{dt, P, W, false}, rc_off, want_off});
         if (rc_on) plan.push_back({{dt, P, W, true}, *rc_on, true});
       }
-  if (plan.empty()) bad("the policy refuses every requested combination (see --kv-dtype, --page-size, --tp, --sharding)");
+  if (plan.empty()) {
+    std::string why = "the policy refuses every requested combination";
+    if (!skipped.empty()) {
+      const json& s0 = skipped[0];
+      why += ": " + s0["reason"].get<std::string>() + " (" + s0["kv_dtype"].get<std::string>() + " P" +
+             std::to_string(s0["page_size"].get<int>()) + " TP" + std::to_string(s0["tp"].get<int>()) + " sharding " +
+             s0["sharding"].get<std::string>() + "; " + std::to_string(skipped.size()) +
+             (skipped.size() == 1 ? " combination" : " combinations") + " refused)";
+    }
+    bad(why + "; see --kv-dtype, --page-size, --tp, --sharding" + (o.synthetic ? ", --heads" : ""));
+  }
+  if (o.synthetic) {
+    progress("generating synthetic data (" + std::to_string(data.R) + " requests x " + std::to_string(data.T) +
+             " tokens)");
+    data = make_synthetic(data.R, data.T, rows_per_req, o.heads, o.seed);
+  } else {
+    progress("loaded " + data.keys_path + " (" + std::to_string(data.R) + " requests x " + std::to_string(data.T) +
+             " tokens, " + data.keys_dtype + ") and " + data.queries_path + " (last " + std::to_string(data.Qn) +
+             " positions x " + std::to_string(data.H) + " heads, " + data.queries_dtype + ")");
+  }
   for (auto& p : plan)
     if (p.listed) {
       p.report = static_cast<int>(reports.size());
@@ -607,16 +643,18 @@ int run_command(const RunOptions& o) {
 
   // ---- capacity (stated budget, TP2 P128, NVFP4 KV and index)
   const ModelDesc m3 = ModelDesc::builtin("minimax-m3");
-  const int64_t budget = static_cast<int64_t>(std::llround(o.capacity_budget_gib * 1073741824.0));
   const CapacityReport cap = plan_capacity(m3, budget, KvDtype::kNvfp4, KvDtype::kNvfp4, 2, 128);
   json capj = json::parse(cap.to_json());
   capj["budget_gib_per_rank"] = o.capacity_budget_gib;
   capj["note"] = upstream_reference_note("minimax-m3", budget);
+  if (cap.off.tokens == 0) capj["ratio"] = nullptr;  // fewer than one page fits: no ratio
 
   // ---- report
   bool all_equal = true;
+  int sharded_runs = 0;  // listed configurations whose index cache really was sharded
   json configs = json::array();
   for (const auto& r : reports) {
+    if (r.combo.on && r.rc.sharding) ++sharded_runs;
     double recall = 0;
     for (double x : r.recall_per_head) recall += x / static_cast<double>(r.recall_per_head.size());
     all_equal = all_equal && r.equal;
@@ -682,6 +720,7 @@ int run_command(const RunOptions& o) {
       {"configs", configs},
       {"skipped", skipped},
       {"all_selections_equal_replicated", all_equal},
+      {"sharded_configurations_run", sharded_runs},
       {"capacity", capj},
       {"definitions",
        {{"us_per_layer_per_rank",
@@ -722,15 +761,35 @@ int run_command(const RunOptions& o) {
     os << "skipped: " << s["kv_dtype"].get<std::string>() << " P" << s["page_size"].get<int>() << " TP"
        << s["tp"].get<int>() << " sharding " << s["sharding"].get<std::string>() << ": "
        << s["reason"].get<std::string>() << "\n";
-  os << "\nsharded selections " << (all_equal ? "equal" : "DIFFER FROM") << " the replicated ones"
-     << (all_equal ? " in every configuration" : "") << " (bit for bit, every prefill and decode step)\n";
+  if (sharded_runs > 0) {
+    os << "\nsharded selections " << (all_equal ? "equal" : "DIFFER FROM") << " the replicated ones"
+       << (all_equal ? " in every configuration" : "") << " (bit for bit, every prefill and decode step)\n";
+  } else {
+    bool any_on = false;
+    for (const auto& r : reports) any_on = any_on || r.combo.on;
+    const std::string why = !want_on ? "--sharding off"
+                            : any_on ? "sharding on is a no-op at TP1: one rank keeps the whole cache"
+                                     : "the policy refused every sharding-on configuration";
+    os << "\nno sharded configuration ran (" << why << "); the replicated selections "
+       << (all_equal ? "agree" : "DIFFER") << " across the configurations of each kv_dtype\n";
+  }
   os << "capacity, minimax-m3 at " << fmt("%g", o.capacity_budget_gib) << " GiB per rank, TP2 P128, NVFP4 KV + index: "
-     << fmt_int(cap.off.tokens) << " tokens with sharding off, " << fmt_int(cap.on.tokens) << " on (x"
-     << fmt("%.3f", cap.ratio()) << ")\n";
+     << fmt_int(cap.off.tokens) << " tokens with sharding off, " << fmt_int(cap.on.tokens) << " on ("
+     << (cap.off.tokens ? "x" + fmt("%.3f", cap.ratio()) : std::string("no ratio: fewer than one page fits")) << ")\n";
 
   if (!o.json_path.empty()) write_file_atomic(o.json_path, report.dump(2) + "\n");
   std::cout << os.str() << std::flush;
   progress("done in " + fmt("%.1f s", now_s() - t_start));
+  if (!all_equal) {  // the failure's one error line, last
+    std::string which;
+    for (const auto& r : reports)
+      if (!r.equal) {
+        which = combo_name(r.combo);
+        break;
+      }
+    std::cerr << "indexcp: error: selections differ from the replicated ones (first: " << which
+              << "; see the table and the MISMATCH lines)" << std::endl;
+  }
   return all_equal ? 0 : 3;
 }
 

@@ -3,6 +3,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <exception>
+#include <system_error>
 #include <mutex>
 #include <omp.h>
 #include <thread>
@@ -30,9 +31,12 @@ struct InProcessGroup::State {
   void check_aborted() const {
     if (aborted) throw Error(ErrorCode::kRuntime, "communicator aborted (another rank failed)");
   }
-  // Blocking barrier; the caller holds `lk`.
-  void barrier(std::unique_lock<std::mutex>& lk) {
-    check_aborted();
+  // Blocking barrier; the caller holds `lk`. An abortable barrier (the first of a collective)
+  // gives up when the group is aborted. The second barrier of a collective is not abortable:
+  // every rank has passed the first one and only copies memory before arriving, and a rank
+  // leaving early would free a send buffer that a slower rank may still be reading.
+  void barrier(std::unique_lock<std::mutex>& lk, bool abortable) {
+    if (abortable) check_aborted();
     const uint64_t gen = generation;
     if (++arrived == world) {
       arrived = 0;
@@ -40,8 +44,11 @@ struct InProcessGroup::State {
       cv.notify_all();
       return;
     }
-    cv.wait(lk, [&] { return generation != gen || aborted; });
-    check_aborted();
+    cv.wait(lk, [&] { return generation != gen || (abortable && aborted); });
+    if (abortable && generation == gen) {
+      --arrived;  // leave the aborted barrier
+      check_aborted();
+    }
   }
 };
 
@@ -57,26 +64,26 @@ class InProcessComm final : public Communicator {
   void all_gather(const void* send, void* recv, std::size_t bytes, void*) override {
     std::unique_lock<std::mutex> lk(s_->mu);
     s_->slots[rank_] = send;
-    s_->barrier(lk);
+    s_->barrier(lk, true);
     lk.unlock();
     for (int p = 0; p < s_->world; ++p)
       if (bytes) std::memcpy(static_cast<char*>(recv) + p * bytes, s_->slots[p], bytes);
     lk.lock();
-    s_->barrier(lk);
+    s_->barrier(lk, false);
     sent_ += bytes;
   }
 
   void all_to_all(const void* send, void* recv, std::size_t bytes, void*) override {
     std::unique_lock<std::mutex> lk(s_->mu);
     s_->slots[rank_] = send;
-    s_->barrier(lk);
+    s_->barrier(lk, true);
     lk.unlock();
     for (int p = 0; p < s_->world; ++p)
       if (bytes)
         std::memcpy(static_cast<char*>(recv) + p * bytes,
                     static_cast<const char*>(s_->slots[p]) + rank_ * bytes, bytes);
     lk.lock();
-    s_->barrier(lk);
+    s_->barrier(lk, false);
     sent_ += bytes * s_->world;
   }
 
@@ -119,7 +126,8 @@ void run_ranks(int world, const std::function<void(int, Communicator&)>& fn) {
   // W ranks never oversubscribe the machine (OpenMP threads spin at barriers).
   const int per_rank = std::max(1, omp_get_max_threads() / world);
   for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
+    try {
+      threads.emplace_back([&, r] {
       omp_set_num_threads(per_rank);
       try {
         fn(r, group.comm(r));
@@ -127,7 +135,12 @@ void run_ranks(int world, const std::function<void(int, Communicator&)>& fn) {
         errors[static_cast<size_t>(r)] = std::current_exception();
         group.abort();
       }
-    });
+      });
+    } catch (const std::system_error& e) {  // could not start a thread: stop the others
+      group.abort();
+      for (auto& t : threads) t.join();
+      throw Error(ErrorCode::kRuntime, std::string("run_ranks could not start rank ") + std::to_string(r) + ": " + e.what());
+    }
   }
   for (auto& t : threads) t.join();
   // Prefer a rank's own error over the "aborted" errors it caused on the others.

@@ -95,7 +95,7 @@ CapacityReport plan_capacity(const ModelDesc& m, int64_t budget, KvDtype kv_dtyp
   const auto fill = [&](bool on) {
     CapacityResult c;
     const bool shard = on && index_dtype != KvDtype::kBf16 && tp > 1 && (page_size / tp) % 16 == 0;
-    c.sharding = on;
+    c.sharding = shard;  // effective: off for a bf16 index, TP1, or rows per rank not a multiple of 16
     c.kv_bytes_per_token = kv;
     c.index_bytes_per_token = static_cast<int64_t>(m.sparse_layers) * index_bytes_per_token(index_dtype, shard ? tp : 1);
     const int64_t per = c.kv_bytes_per_token + c.index_bytes_per_token;

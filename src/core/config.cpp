@@ -123,10 +123,6 @@ ResolvedConfig resolve_config(const AttentionConfig& c, const EngineParams& e) {
       throw Error(ErrorCode::kUnsupported,
                   "indexer_cache_sharding = \"on\" with indexer_kv_dtype = \"bf16\" is not "
                   "supported; sharding needs indexer_kv_dtype \"fp8\" or \"nvfp4\"");
-    if (e.kv_connector)
-      throw Error(ErrorCode::kUnsupported,
-                  "indexer_cache_sharding = \"on\" with a KV connector (or KV-cache CPU offload) is "
-                  "not supported; turn sharding off or remove the connector");
     if (e.tp == 1) {
       r.notes.push_back("indexer_cache_sharding = \"on\" at tp = 1 is a no-op: one rank keeps the whole cache");
       sharding = false;
@@ -148,6 +144,11 @@ ResolvedConfig resolve_config(const AttentionConfig& c, const EngineParams& e) {
                       "CP yields to decode CP and the index cache stays replicated");
     sharding = false;
   }
+  // rule 4 applies to the effective sharding (not when it is a no-op or yields to decode CP)
+  if (sharding && e.kv_connector)
+    throw Error(ErrorCode::kUnsupported,
+                "indexer_cache_sharding = \"on\" with a KV connector (or KV-cache CPU offload) is "
+                "not supported; turn sharding off or remove the connector");
   r.sharding = sharding;
   r.decode_cp = decode_cp;
   r.shards = sharding ? e.tp : 1;

@@ -227,6 +227,18 @@ void quantize_queries(const float* q, int64_t num_tokens, int32_t heads, const K
     if (pre.norm_weight != nullptr || pre.rope) {
       preprocess_vector(x, pre.norm_weight, pre.eps, pre.rope, pre.rope_theta,
                         pre.rope ? pre.positions[i / heads] : 0, v);
+      for (int d = 0; d < kHeadDim; ++d)
+        INDEXCP_REQUIRE(!fmt::is_nan(v[d]), "q is NaN after RMSNorm/RoPE at token " + std::to_string(i / heads) +
+                                                ", head " + std::to_string(i % heads) + ", dim " + std::to_string(d));
+      x = v;
+    }
+  }
+  // phase 2: write (nothing is written when any vector is refused)
+  for (int64_t i = 0; i < n; ++i) {
+    const float* x = q + i * kHeadDim;
+    if (pre.norm_weight != nullptr || pre.rope) {
+      preprocess_vector(x, pre.norm_weight, pre.eps, pre.rope, pre.rope_theta,
+                        pre.rope ? pre.positions[i / heads] : 0, v);
       x = v;
     }
     fp8_quantize_key(x, out + i * kHeadDim);

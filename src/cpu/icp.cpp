@@ -12,7 +12,7 @@ namespace indexcp {
 void publish_candidates(const BlockScores& scores, const std::vector<QueryRow>& rows,
                         const SelectionParams& sel, Candidate* out) {
   sel.validate();
-  INDEXCP_REQUIRE(static_cast<int64_t>(rows.size()) == scores.rows, "rows and scores disagree in size");
+  cpu::check_scores(scores, rows);
   INDEXCP_REQUIRE(rows.empty() || out != nullptr, "out is null");
   cpu::publish(scores, rows, sel, out);
 }

@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <new>
+#include <string>
 
 #include "indexcp/error.hpp"
 
@@ -22,7 +24,7 @@ inline float nan_max(float m, float v) {
 
 float dot128(const double* q, const double* k) {
   // Every product is exact in fp64 and, for FP8/NVFP4 keys, so is every partial sum (values are
-  // multiples of 2^-19 below 2^47 in magnitude): the result is the exact dot product rounded
+  // multiples of 2^-19 below 2^28 in magnitude: 47 bits): the result is the exact dot product rounded
   // once to fp32, independent of the summation order. BF16 keys: a fixed order.
   double a0 = 0, a1 = 0, a2 = 0, a3 = 0, a4 = 0, a5 = 0, a6 = 0, a7 = 0;
   for (int d = 0; d < kHeadDim; d += 8) {
@@ -52,14 +54,35 @@ std::vector<std::pair<int64_t, int64_t>> request_runs(const std::vector<QueryRow
   return runs;
 }
 
+void check_scores(const BlockScores& s, const std::vector<QueryRow>& rows) {
+  INDEXCP_REQUIRE(static_cast<int64_t>(rows.size()) == s.rows && s.heads >= 1 && s.max_blocks >= 0,
+                  "scores (rows " + std::to_string(s.rows) + ", heads " + std::to_string(s.heads) +
+                      ") do not match rows (" + std::to_string(rows.size()) + ")");
+  const size_t n = static_cast<size_t>(s.rows) * s.heads * s.max_blocks;
+  INDEXCP_REQUIRE(s.score.size() == n && s.valid.size() == n,
+                  "scores.score / scores.valid must hold rows x heads x max_blocks = " + std::to_string(n) + " entries");
+  for (size_t i = 0; i < rows.size(); ++i)
+    INDEXCP_REQUIRE(rows[i].pos < 0 || rows[i].pos / kBlockTokens < s.max_blocks,
+                    "rows[" + std::to_string(i) + "] at position " + std::to_string(rows[i].pos) +
+                        " has blocks beyond scores.max_blocks = " + std::to_string(s.max_blocks));
+}
+
 BlockScores make_scores(int64_t rows, int32_t nh, int64_t max_blocks) {
   BlockScores s;
   s.rows = rows;
   s.heads = nh;
   s.max_blocks = max_blocks;
-  const size_t n = static_cast<size_t>(rows) * nh * max_blocks;
-  s.score.assign(n, kNegInf);
-  s.valid.assign(n, 0);
+  const long double n = static_cast<long double>(rows) * nh * max_blocks;
+  if (n > static_cast<long double>(int64_t{1} << 31))
+    throw Error(ErrorCode::kRuntime, "block scores of rows x heads x max_blocks = " + std::to_string(rows) +
+                                         " x " + std::to_string(nh) + " x " + std::to_string(max_blocks) +
+                                         " exceed 2^31 entries; lower max_pages or split the batch");
+  try {
+    s.score.assign(static_cast<size_t>(n), kNegInf);
+    s.valid.assign(static_cast<size_t>(n), 0);
+  } catch (const std::bad_alloc&) {
+    throw Error(ErrorCode::kRuntime, "could not allocate block scores of " + std::to_string(static_cast<int64_t>(n)) + " entries");
+  }
   return s;
 }
 

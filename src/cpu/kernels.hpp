@@ -23,6 +23,10 @@ using BlockSource = std::function<int(int32_t request, int64_t block, double* kb
 /// Splits rows into runs of one request (padding rows, pos < 0, are skipped): [begin, end).
 std::vector<std::pair<int64_t, int64_t>> request_runs(const std::vector<QueryRow>& rows);
 
+/// Throws Error unless `s` is consistently sized for `rows` and every live row's local block lies
+/// below s.max_blocks (the preconditions of selection and publish on caller-built scores).
+void check_scores(const BlockScores& s, const std::vector<QueryRow>& rows);
+
 /// Allocates BlockScores for rows x nh x max_blocks, all invalid (-Inf).
 BlockScores make_scores(int64_t rows, int32_t nh, int64_t max_blocks);
 

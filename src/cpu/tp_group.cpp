@@ -34,6 +34,7 @@ class CpuTpIndexer final : public TpIndexer {
 
   std::vector<int32_t> decode(const DecodeBatch& b, const SelectionParams& sel, StepStats* st) override {
     sel.validate();
+    decode_rows(b, caches_[0].num_pages(), cfg_.engine.page_size);  // validate before sizing outputs
     return run(b.rows(), b.heads, sel, st, [&](int rank, Communicator& comm, int32_t* out, StepStats& s) {
       const int W = comm.world();
       if (cfg_.sharding) {
@@ -51,6 +52,7 @@ class CpuTpIndexer final : public TpIndexer {
 
   std::vector<int32_t> prefill(const PrefillBatch& b, const SelectionParams& sel, StepStats* st) override {
     sel.validate();
+    prefill_rows(b, caches_[0].num_pages(), cfg_.engine.page_size);  // validate before sizing outputs
     return run(b.rows(), b.heads, sel, st, [&](int rank, Communicator& comm, int32_t* out, StepStats& s) {
       if (cfg_.sharding && cfg_.prefill_cp == PrefillCp::kGather) {
         const GatherStats g = prefill_gather(comm, caches_[rank], 0, b, sel, cfg_.prefill_gather_budget_bytes, out);

@@ -4,6 +4,7 @@
 #include <bit>
 #include <cctype>
 #include <cmath>
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -239,11 +240,16 @@ int64_t Array::size() const {
 
 Array parse(const std::vector<uint8_t>& f, const std::string& name) {
   if (f.empty()) fail(name, "empty file (not a .npy file)");
-  if (f.size() < 10 || std::memcmp(f.data(), kMagic, 6) != 0)
+  // a file that starts as a .npy file but ends early is truncated, not of the wrong kind
+  if (std::memcmp(f.data(), kMagic, std::min<std::size_t>(f.size(), 6)) != 0)
     fail(name, "not a .npy file (bad magic: the file must start with \\x93NUMPY)");
+  if (f.size() < 8)
+    fail(name, "file is truncated inside the .npy preamble (" + std::to_string(f.size()) +
+                   " bytes of the 10 it takes)");
   const int major = f[6], minor = f[7];
   std::size_t header_len = 0, header_start = 0;
   if (major == 1 && minor == 0) {
+    if (f.size() < 10) fail(name, "file is truncated inside the .npy preamble");
     header_len = static_cast<std::size_t>(f[8]) | (static_cast<std::size_t>(f[9]) << 8);
     header_start = 10;
   } else if (major == 2 && minor == 0) {

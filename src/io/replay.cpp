@@ -561,6 +561,9 @@ ReplayResult replay_case(const std::string& case_dir, const std::string& out_dir
     if (!fs::exists(c.dir, ec)) throw Error(ErrorCode::kIo, case_dir + ": no such case directory");
     if (!fs::is_directory(c.dir, ec)) throw Error(ErrorCode::kInvalidArgument, case_dir + ": is not a directory");
   }
+  // the environment (INDEXCP_P256_STOCK_DECODE) is checked on its own first, so that its error is
+  // not attributed to case.json
+  (void)resolve_config(AttentionConfig{}, EngineParams{});
   load_case_json(c);
   load_arrays(c);
 
