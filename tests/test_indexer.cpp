@@ -24,17 +24,6 @@ Setup setup(const std::vector<int32_t>& lens, int32_t P, uint32_t seed) {
   return s;
 }
 
-DecodeBatch batch_of(const Requests& r, const std::vector<uint8_t>& q, int32_t heads, int32_t Q) {
-  DecodeBatch b;
-  b.q = q.data();
-  b.heads = heads;
-  b.block_table = r.block_table.data();
-  b.num_requests = static_cast<int32_t>(r.seq_lens.size());
-  b.max_pages = r.max_pages;
-  b.seq_lens = r.seq_lens.data();
-  b.query_len = Q;
-  return b;
-}
 
 }  // namespace
 

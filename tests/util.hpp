@@ -61,6 +61,19 @@ inline Requests make_requests(const std::vector<int32_t>& lens, int32_t page_siz
   return r;
 }
 
+/// A decode batch over requests `r` with index Q `q` ([B * Q, heads, 128]).
+inline DecodeBatch batch_of(const Requests& r, const std::vector<uint8_t>& q, int32_t heads, int32_t Q) {
+  DecodeBatch b;
+  b.q = q.data();
+  b.heads = heads;
+  b.block_table = r.block_table.data();
+  b.num_requests = static_cast<int32_t>(r.seq_lens.size());
+  b.max_pages = r.max_pages;
+  b.seq_lens = r.seq_lens.data();
+  b.query_len = Q;
+  return b;
+}
+
 /// Random keys (normal, unit scale) for every position of every request: [sum(lens), 128] and
 /// the matching slot mapping.
 inline void make_keys(const Requests& r, uint32_t seed, std::vector<float>& keys, std::vector<int64_t>& slots,

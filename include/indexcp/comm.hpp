@@ -3,8 +3,10 @@
 #pragma once
 
 #include <cstddef>
+#include <exception>
 #include <functional>
 #include <memory>
+#include <vector>
 
 namespace indexcp {
 
@@ -49,6 +51,10 @@ class InProcessGroup {
  private:
   std::unique_ptr<State> state_;
 };
+
+/// After W rank threads ended: rethrows the first rank's own error, preferring it over the
+/// "communicator aborted" errors it caused on the other ranks; returns when there is none.
+void rethrow_rank_errors(const std::vector<std::exception_ptr>& errors);
 
 /// Runs fn(rank, comm) on `world` threads of a fresh InProcessGroup and waits for all. If any
 /// rank throws, the group is aborted (so no rank hangs) and the first exception is rethrown.

@@ -26,20 +26,6 @@ namespace {
 constexpr int64_t kUpstreamOff = 5492736;
 constexpr int64_t kUpstreamOn = 6030720;
 
-std::string fmt_int(int64_t v) {
-  std::string s = std::to_string(v < 0 ? -v : v), out;
-  for (std::size_t i = 0; i < s.size(); ++i) {
-    if (i && (s.size() - i) % 3 == 0) out += ',';
-    out += s[i];
-  }
-  return (v < 0 ? "-" : "") + out;
-}
-
-std::string fmt(const char* f, double v) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, f, v);
-  return buf;
-}
 
 ModelDesc load_model(const std::string& m) {
   if (m == "minimax-m3") return ModelDesc::builtin(m);
@@ -229,6 +215,21 @@ int config_command(const ConfigOptions& o) {
   const ResolvedConfig rc = resolve_config(ac, ep);
   std::cout << rc.to_json() << std::endl;
   return 0;
+}
+
+std::string fmt_int(int64_t v) {
+  std::string s = std::to_string(v < 0 ? -v : v), out;
+  for (std::size_t i = 0; i < s.size(); ++i) {
+    if (i && (s.size() - i) % 3 == 0) out += ',';
+    out += s[i];
+  }
+  return (v < 0 ? "-" : "") + out;
+}
+
+std::string fmt(const char* f, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, f, v);
+  return buf;
 }
 
 }  // namespace indexcp::cli

@@ -9,6 +9,11 @@
 
 namespace indexcp::cli {
 
+/// 5492736 -> "5,492,736".
+std::string fmt_int(int64_t v);
+/// printf-style formatting of one double (`f` like "%.3f").
+std::string fmt(const char* f, double v);
+
 /// `indexcp run`: the main job (see run.cpp and `indexcp run --help`).
 struct RunOptions {
   std::string backend = "auto";

@@ -143,9 +143,12 @@ void run_ranks(int world, const std::function<void(int, Communicator&)>& fn) {
     }
   }
   for (auto& t : threads) t.join();
-  // Prefer a rank's own error over the "aborted" errors it caused on the others.
+  rethrow_rank_errors(errors);
+}
+
+void rethrow_rank_errors(const std::vector<std::exception_ptr>& errors) {
   std::exception_ptr first;
-  for (auto& e : errors) {
+  for (const auto& e : errors) {
     if (!e) continue;
     try {
       std::rethrow_exception(e);

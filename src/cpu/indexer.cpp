@@ -84,9 +84,10 @@ std::vector<QueryRow> prefill_rows(const PrefillBatch& b, int64_t num_pages, int
   check_common(b.q, b.heads, b.block_table, b.num_requests, b.max_pages, b.seq_lens);
   INDEXCP_REQUIRE(b.query_start != nullptr, "query_start is null");
   INDEXCP_REQUIRE(b.query_start[0] == 0, "query_start[0] = " + std::to_string(b.query_start[0]) + " must be 0");
-  std::vector<QueryRow> rows;
+  // pass 1: query_start, seq_lens and the block table of every request (q is sized by
+  // query_start[num_requests], so it is read only once all of query_start is known to be sane)
   for (int32_t r = 0; r < b.num_requests; ++r) {
-    const int32_t t = b.query_start[r + 1] - b.query_start[r];
+    const int64_t t = static_cast<int64_t>(b.query_start[r + 1]) - b.query_start[r];
     const int32_t s = b.seq_lens[r];
     INDEXCP_REQUIRE(t >= 0, "query_start[" + std::to_string(r + 1) + "] = " +
                         std::to_string(b.query_start[r + 1]) + " is below query_start[" +
@@ -95,10 +96,14 @@ std::vector<QueryRow> prefill_rows(const PrefillBatch& b, int64_t num_pages, int
     INDEXCP_REQUIRE(t <= s, "request " + std::to_string(r) + " has a chunk of " + std::to_string(t) +
                         " tokens (query_start) longer than seq_lens[" + std::to_string(r) +
                         "] = " + std::to_string(s));
-    if (t > 0) {
-      check_request_pages(r, s, b.block_table, b.max_pages, num_pages, page_size);
-      check_q_rows(b.q, b.query_start[r], t, b.heads);
-    }
+    if (t > 0) check_request_pages(r, s, b.block_table, b.max_pages, num_pages, page_size);
+  }
+  // pass 2: index Q of every row, then the rows
+  std::vector<QueryRow> rows;
+  for (int32_t r = 0; r < b.num_requests; ++r) {
+    const int32_t t = b.query_start[r + 1] - b.query_start[r];
+    const int32_t s = b.seq_lens[r];
+    if (t > 0) check_q_rows(b.q, b.query_start[r], t, b.heads);
     for (int32_t i = 0; i < t; ++i) rows.push_back({r, static_cast<int64_t>(s) - t + i});
   }
   return rows;

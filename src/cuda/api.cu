@@ -880,19 +880,7 @@ void run_device_ranks(int world, const std::function<void(int, Communicator&, St
     });
   }
   for (auto& t : threads) t.join();
-  std::exception_ptr first;
-  for (auto& e : errors) {
-    if (!e) continue;
-    try {
-      std::rethrow_exception(e);
-    } catch (const Error& err) {
-      if (std::string(err.what()).find("communicator aborted") == std::string::npos) std::rethrow_exception(e);
-      if (!first) first = e;
-    } catch (...) {
-      std::rethrow_exception(e);
-    }
-  }
-  if (first) std::rethrow_exception(first);
+  rethrow_rank_errors(errors);
 }
 
 // ---- DecodeStep -------------------------------------------------------------------------------
