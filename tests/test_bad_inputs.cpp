@@ -19,6 +19,7 @@
 #include <limits>
 #include <random>
 #include <sstream>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -72,7 +73,10 @@ std::string cli(const std::string& args) {
                           o.string() + "' 2>'" + e.string() + "'";
   const int rc = std::system(cmd.c_str());
   const int status = WIFEXITED(rc) ? WEXITSTATUS(rc) : 128 + (WIFSIGNALED(rc) ? WTERMSIG(rc) : 0);
-  return "exit " + std::to_string(status) + ": " + first_line(slurp(e));
+  // CLI11 words its range errors differently across versions ("not in range 2 to 1024" in
+  // Debian 12's 2.1, "not in range [2 - 1024]" in later ones): keep the catalogue to one form.
+  static const std::regex cli11_range(R"(not in range \[(\S+) - (\S+)\])");
+  return "exit " + std::to_string(status) + ": " + std::regex_replace(first_line(slurp(e)), cli11_range, "not in range $1 to $2");
 }
 
 const char* code_name(ErrorCode c) {
@@ -121,7 +125,8 @@ void write_case() {
   npy::save((dir / "q.npy").string(), {B * Q, H, 128}, qv.data());
 }
 fs::path cf(const char* name) { return g_tmp / kCase / name; }
-std::string replay() { return cli("replay case --out out"); }
+// the CPU backend, so that the catalogue is the same on machines with and without a GPU
+std::string replay() { return cli("replay case --out out --backend cpu"); }
 void edit_json(const std::function<void(json&)>& fn) {
   json j = json::parse(slurp(cf("case.json")));
   fn(j);
@@ -179,7 +184,7 @@ std::vector<Entry> catalogue() {
   e.push_back({"CLI flag", "`indexcp replay --out out` (no CASE_DIR)", [] { return cli("replay --out out"); }});
   e.push_back({"file", "`indexcp replay missing_dir --out out`", [] { return cli("replay missing_dir --out out"); }});
   e.push_back({"file", "`indexcp run --keys missing.npy --queries missing.npy`",
-               [] { return cli("run --keys missing.npy --queries missing.npy"); }});
+               [] { return cli("run --backend cpu --keys missing.npy --queries missing.npy"); }});
   // ---- configs
   e.push_back({"config", "`config --tp 2 --page-size 128 --attention-config '{\"indexer_kv_dtype\": \"bf16\", \"indexer_cache_sharding\": \"on\"}'`",
                [] { return cli("config --tp 2 --page-size 128 --attention-config '{\"indexer_kv_dtype\": \"bf16\", \"indexer_cache_sharding\": \"on\"}'"); }});
