@@ -33,9 +33,7 @@
 #include "indexcp/indexer.hpp"
 #include "indexcp/npy.hpp"
 
-#ifndef INDEXCP_CLI_PATH
-#error "INDEXCP_CLI_PATH must name the built indexcp executable"
-#endif
+#include "cli_util.hpp"
 #ifndef INDEXCP_SOURCE_DIR
 #error "INDEXCP_SOURCE_DIR must name the source tree (for docs/bad-inputs.md)"
 #endif
@@ -48,12 +46,7 @@ namespace {
 
 fs::path g_tmp;  // this run's scratch directory
 
-std::string slurp(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+using cliutil::slurp;
 
 std::string replace_all(std::string s, const std::string& from, const std::string& to) {
   if (from.empty()) return s;
@@ -68,15 +61,11 @@ std::string first_line(const std::string& s) {
 
 // "exit N: <first stderr line>" of `indexcp ARGS`, temporary paths replaced.
 std::string cli(const std::string& args) {
-  const fs::path o = g_tmp / "stdout.txt", e = g_tmp / "stderr.txt";
-  const std::string cmd = std::string("cd '") + g_tmp.string() + "' && '" + INDEXCP_CLI_PATH + "' " + args + " >'" +
-                          o.string() + "' 2>'" + e.string() + "'";
-  const int rc = std::system(cmd.c_str());
-  const int status = WIFEXITED(rc) ? WEXITSTATUS(rc) : 128 + (WIFSIGNALED(rc) ? WTERMSIG(rc) : 0);
+  const cliutil::Result r = cliutil::run_cli(args, g_tmp, g_tmp);
   // CLI11 words its range errors differently across versions ("not in range 2 to 1024" in
   // Debian 12's 2.1, "not in range [2 - 1024]" in later ones): keep the catalogue to one form.
   static const std::regex cli11_range(R"(not in range \[(\S+) - (\S+)\])");
-  return "exit " + std::to_string(status) + ": " + std::regex_replace(first_line(slurp(e)), cli11_range, "not in range $1 to $2");
+  return "exit " + std::to_string(r.status) + ": " + std::regex_replace(first_line(r.err), cli11_range, "not in range $1 to $2");
 }
 
 const char* code_name(ErrorCode c) {

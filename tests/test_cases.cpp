@@ -100,32 +100,6 @@ inline std::vector<IndexCache> build_caches(KvDtype dt, int32_t P, int32_t W, in
   return out;
 }
 
-inline DecodeBatch decode_batch(const Requests& r, const std::vector<uint8_t>& q, int32_t heads, int32_t Q,
-                                const std::vector<int32_t>* seq_lens = nullptr) {
-  DecodeBatch b;
-  b.q = q.data();
-  b.heads = heads;
-  b.block_table = r.block_table.data();
-  b.num_requests = static_cast<int32_t>(r.seq_lens.size());
-  b.max_pages = r.max_pages;
-  b.seq_lens = seq_lens ? seq_lens->data() : r.seq_lens.data();
-  b.query_len = Q;
-  return b;
-}
-
-inline PrefillBatch prefill_batch(const Requests& r, const std::vector<uint8_t>& q, int32_t heads,
-                                  const std::vector<int32_t>& query_start) {
-  PrefillBatch b;
-  b.q = q.data();
-  b.heads = heads;
-  b.block_table = r.block_table.data();
-  b.num_requests = static_cast<int32_t>(r.seq_lens.size());
-  b.max_pages = r.max_pages;
-  b.seq_lens = r.seq_lens.data();
-  b.query_start = query_start.data();
-  return b;
-}
-
 /// Runs fn(rank, comm, out) on W ranks, each writing [rows, owned heads, K]; returns all heads
 /// [rows, H, K] with each head from its owner (ranks sharing a head must agree).
 inline std::vector<int32_t> all_heads(int32_t W, int64_t rows, int32_t heads, int32_t K,

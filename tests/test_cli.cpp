@@ -20,9 +20,7 @@
 #include "indexcp/cache.hpp"
 #include "indexcp/npy.hpp"
 
-#ifndef INDEXCP_CLI_PATH
-#error "INDEXCP_CLI_PATH must name the built indexcp executable"
-#endif
+#include "cli_util.hpp"
 
 using namespace indexcp;
 namespace fs = std::filesystem;
@@ -39,29 +37,11 @@ fs::path temp_dir() {
   return d;
 }
 
-std::string slurp(const fs::path& p) {
-  std::ifstream in(p);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+using cliutil::Result;
+using cliutil::slurp;
 
-struct Result {
-  int status = -1;
-  std::string out, err;
-};
-
-// Runs `indexcp ARGS` (ARGS already shell-quoted) with stdout/stderr captured.
-Result run(const std::string& args, const fs::path& dir) {
-  const fs::path o = dir / "stdout.txt", e = dir / "stderr.txt";
-  const std::string cmd = std::string("'") + INDEXCP_CLI_PATH + "' " + args + " >'" + o.string() + "' 2>'" + e.string() + "'";
-  const int rc = std::system(cmd.c_str());
-  Result r;
-  r.status = WIFEXITED(rc) ? WEXITSTATUS(rc) : 128 + (WIFSIGNALED(rc) ? WTERMSIG(rc) : 0);
-  r.out = slurp(o);
-  r.err = slurp(e);
-  return r;
-}
+// Runs `indexcp ARGS` (ARGS already shell-quoted) with stdout/stderr captured in `dir`.
+Result run(const std::string& args, const fs::path& dir) { return cliutil::run_cli(args, dir); }
 
 std::string q(const fs::path& p) { return "'" + p.string() + "'"; }
 

@@ -70,7 +70,7 @@ TEST_P(IcpVsReplicated, BitIdenticalSelections) {
   const auto shards = make_shards(dt, req, W, keys, slots);
   const int32_t H = 4, Q = 4;
   const auto q = make_q(static_cast<int64_t>(req.seq_lens.size()) * Q, H, 5u + P);
-  const DecodeBatch b = batch_of(req, q, H, Q);
+  const DecodeBatch b = decode_batch(req, q, H, Q);
   SelectionParams sel;
   std::vector<int32_t> ref(b.rows() * H * sel.topk);
   decode_select(rep[0], 0, b, 0, H, sel, mode, ref.data());
@@ -93,7 +93,7 @@ TEST(Icp, ExchangedBytesAreWTimesKMinusOneTimesEightPerRowAndHead) {
   const int32_t W = 2, H = 4, Q = 8;
   const auto shards = make_shards(KvDtype::kNvfp4, req, W, keys, slots);
   const auto q = make_q(2 * Q, H, 6);
-  const DecodeBatch b = batch_of(req, q, H, Q);
+  const DecodeBatch b = decode_batch(req, q, H, Q);
   SelectionParams sel;
   run_ranks(W, [&](int rank, Communicator& comm) {
     std::vector<int32_t> out(b.rows() * 2 * sel.topk);
@@ -114,14 +114,7 @@ TEST(Icp, GatherMovesOneHundredTwentyEightBytesPerToken) {
     const auto rep = make_shards(KvDtype::kNvfp4, req, 1, keys, slots);
     std::vector<int32_t> qs = {0, 64, 64 + 100};
     const auto q = make_q(qs.back(), H, 10);
-    PrefillBatch b;
-    b.q = q.data();
-    b.heads = H;
-    b.block_table = req.block_table.data();
-    b.num_requests = 2;
-    b.max_pages = req.max_pages;
-    b.seq_lens = req.seq_lens.data();
-    b.query_start = qs.data();
+    const PrefillBatch b = prefill_batch(req, q, H, qs);
     SelectionParams sel;
     std::vector<int32_t> ref(qs.back() * H * 16);
     prefill_select(rep[0], 0, b, 0, H, sel, ref.data());
@@ -151,7 +144,7 @@ TEST(TpIndexer, CpuGroupMatchesReplicatedForEveryPath) {
   std::vector<int64_t> slots;
   make_keys(req, 13, keys, slots);
   const auto q = make_q(2 * 8, 4, 14);
-  const DecodeBatch b = batch_of(req, q, 4, 8);
+  const DecodeBatch b = decode_batch(req, q, 4, 8);
   SelectionParams sel;
   std::vector<int32_t> base;
   for (const char* cfg_json : {R"({"indexer_kv_dtype":"nvfp4"})",

@@ -36,7 +36,7 @@ TEST_P(DecodeVsBruteForce, SelectsTheSameBlocks) {
   auto caches = make_shards(dt, s.req, 1, s.keys, s.slots);
   const int64_t rows = static_cast<int64_t>(s.req.seq_lens.size()) * Q;
   const auto q = make_q(rows, H, 99u + H);
-  const DecodeBatch b = batch_of(s.req, q, H, Q);
+  const DecodeBatch b = decode_batch(s.req, q, H, Q);
   SelectionParams sel;
   std::vector<int32_t> out(rows * H * sel.topk, -9);
   decode_select(caches[0], 0, b, 0, H, sel, mode, out.data());
@@ -70,7 +70,7 @@ TEST(Decode, InitBlocksAreForcedAndNeverDuplicated) {
   auto s = setup({5000}, 128, 5);
   auto caches = make_shards(KvDtype::kNvfp4, s.req, 1, s.keys, s.slots);
   const auto q = make_q(2, 2, 3);
-  DecodeBatch b = batch_of(s.req, q, 2, 2);
+  DecodeBatch b = decode_batch(s.req, q, 2, 2);
   for (int init : {1, 3, 14}) {
     SelectionParams sel;
     sel.init_blocks = init;
@@ -87,7 +87,7 @@ TEST(Decode, TopkOtherThanSixteen) {
   auto s = setup({3000, 1000}, 256, 8);
   auto caches = make_shards(KvDtype::kFp8, s.req, 1, s.keys, s.slots);
   const auto q = make_q(6, 4, 4);
-  DecodeBatch b = batch_of(s.req, q, 4, 3);
+  DecodeBatch b = decode_batch(s.req, q, 4, 3);
   for (int K : {2, 8, 32}) {
     SelectionParams sel;
     sel.topk = K;
@@ -101,7 +101,7 @@ TEST(Decode, HeadRangeEqualsSliceOfAllHeads) {
   auto s = setup({4000}, 128, 21);
   auto caches = make_shards(KvDtype::kNvfp4, s.req, 1, s.keys, s.slots);
   const auto q = make_q(8, 4, 22);
-  DecodeBatch b = batch_of(s.req, q, 4, 8);
+  DecodeBatch b = decode_batch(s.req, q, 4, 8);
   SelectionParams sel;
   std::vector<int32_t> all(8 * 4 * 16), part(8 * 2 * 16);
   decode_select(caches[0], 0, b, 0, 4, sel, KRounding::kE4m3, all.data());
@@ -117,14 +117,7 @@ TEST(Prefill, ReplicatedMatchesBruteForceWithE4m3Keys) {
     auto caches = make_shards(KvDtype::kNvfp4, s.req, 1, s.keys, s.slots);
     std::vector<int32_t> qs = {0, 130, 130 + 700, 130 + 700 + 5};
     const auto q = make_q(qs.back(), 4, 32);
-    PrefillBatch b;
-    b.q = q.data();
-    b.heads = 4;
-    b.block_table = s.req.block_table.data();
-    b.num_requests = 3;
-    b.max_pages = s.req.max_pages;
-    b.seq_lens = s.req.seq_lens.data();
-    b.query_start = qs.data();
+    const PrefillBatch b = prefill_batch(s.req, q, 4, qs);
     SelectionParams sel;
     std::vector<int32_t> out(qs.back() * 4 * 16);
     prefill_select(caches[0], 0, b, 0, 4, sel, out.data());
@@ -175,7 +168,7 @@ TEST(Decode, BadInputsAreRefusedWithTheArgumentNamed) {
       EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
     }
   };
-  DecodeBatch b = batch_of(s.req, q, 4, 4);
+  DecodeBatch b = decode_batch(s.req, q, 4, 4);
   DecodeBatch x = b;
   x.query_len = 17;
   expect_error(x, "query_len");

@@ -134,6 +134,19 @@ struct TCase {
   }
   int64_t page_bytes() const { return static_cast<int64_t>(P) * key_bytes(dtype()); }
 
+  // The decode batch of this case (phase "decode").
+  DecodeBatch decode_batch() const {
+    DecodeBatch b;
+    b.q = q8.data();
+    b.heads = H;
+    b.block_table = bt.data();
+    b.num_requests = B;
+    b.max_pages = max_pages;
+    b.seq_lens = lens.data();
+    b.query_len = Q;
+    return b;
+  }
+
   // The selection of the library called directly on the replicated cache (all heads).
   std::vector<int32_t> library_topk() const {
     const IndexCache c = replicated_cache();
@@ -143,15 +156,7 @@ struct TCase {
     std::vector<int32_t> out(static_cast<size_t>(rows) * H * topk);
     const KRounding mode = parse_k_rounding(attention.value("indexer_k_rounding", "e4m3"));
     if (phase == "decode") {
-      DecodeBatch b;
-      b.q = q8.data();
-      b.heads = H;
-      b.block_table = bt.data();
-      b.num_requests = B;
-      b.max_pages = max_pages;
-      b.seq_lens = lens.data();
-      b.query_len = Q;
-      decode_select(c, 0, b, 0, H, sel, mode, out.data());
+      decode_select(c, 0, decode_batch(), 0, H, sel, mode, out.data());
     } else {
       PrefillBatch b;
       b.q = q8.data();
@@ -324,15 +329,7 @@ TEST(Replay, ScoresHoldTheReplicatedBlockScores) {
   const int64_t max_blocks = static_cast<int64_t>(c.max_pages) * c.P / 128;
   ASSERT_EQ(s.shape, (std::vector<int64_t>{c.rows, c.H, max_blocks}));
   const IndexCache cache = c.replicated_cache();
-  DecodeBatch b;
-  b.q = c.q8.data();
-  b.heads = c.H;
-  b.block_table = c.bt.data();
-  b.num_requests = c.B;
-  b.max_pages = c.max_pages;
-  b.seq_lens = c.lens.data();
-  b.query_len = c.Q;
-  const auto rows = decode_rows(b, c.num_pages, c.P);
+  const auto rows = decode_rows(c.decode_batch(), c.num_pages, c.P);
   const auto ref = score_blocks(cache, 0, rows, c.bt.data(), c.max_pages, c.q8.data(), c.H, 0, c.H, KRounding::kE4m3);
   const float* got = s.data<float>();
   for (int64_t i = 0; i < s.size(); ++i) {

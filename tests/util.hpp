@@ -61,16 +61,32 @@ inline Requests make_requests(const std::vector<int32_t>& lens, int32_t page_siz
   return r;
 }
 
-/// A decode batch over requests `r` with index Q `q` ([B * Q, heads, 128]).
-inline DecodeBatch batch_of(const Requests& r, const std::vector<uint8_t>& q, int32_t heads, int32_t Q) {
+/// A decode batch over requests `r` with index Q `q` ([B * Q, heads, 128]); `seq_lens` replaces
+/// the requests' own lengths when given.
+inline DecodeBatch decode_batch(const Requests& r, const std::vector<uint8_t>& q, int32_t heads, int32_t Q,
+                                const std::vector<int32_t>* seq_lens = nullptr) {
   DecodeBatch b;
   b.q = q.data();
   b.heads = heads;
   b.block_table = r.block_table.data();
   b.num_requests = static_cast<int32_t>(r.seq_lens.size());
   b.max_pages = r.max_pages;
-  b.seq_lens = r.seq_lens.data();
+  b.seq_lens = seq_lens ? seq_lens->data() : r.seq_lens.data();
   b.query_len = Q;
+  return b;
+}
+
+/// A prefill batch over requests `r`: q [query_start.back(), heads, 128].
+inline PrefillBatch prefill_batch(const Requests& r, const std::vector<uint8_t>& q, int32_t heads,
+                                  const std::vector<int32_t>& query_start) {
+  PrefillBatch b;
+  b.q = q.data();
+  b.heads = heads;
+  b.block_table = r.block_table.data();
+  b.num_requests = static_cast<int32_t>(r.seq_lens.size());
+  b.max_pages = r.max_pages;
+  b.seq_lens = r.seq_lens.data();
+  b.query_start = query_start.data();
   return b;
 }
 
