@@ -19,6 +19,7 @@
 
 #include "indexcp/cache.hpp"
 #include "indexcp/npy.hpp"
+#include "indexcp/tp_group.hpp"
 
 #include "cli_util.hpp"
 
@@ -465,5 +466,72 @@ TEST(Cli, MakeExampleCaseWritesAFreshCase) {
   EXPECT_NE(slurp(d / "py.err").find("notes.txt"), std::string::npos) << slurp(d / "py.err");
   EXPECT_TRUE(fs::exists(d / "case" / "notes.txt"));
   EXPECT_TRUE(fs::exists(d / "case" / "case.json"));
+  fs::remove_all(d);
+}
+
+// `indexcp bench`: option refusals name the option (with or without the CUDA backend); without a
+// usable GPU the command says why; with one, every benchmark runs on tiny shapes and writes a
+// record with the fields of spec/bench.md section 3 and equal selections.
+TEST(Cli, BenchRefusesBadOptionsAndRunsWhereAGpuIs) {
+  const fs::path d = temp_dir();
+  expect_error(run("bench", d), 2, {"subcommand"});
+  expect_error(run("bench decode --replays 0", d), 2, {"--replays"});
+  expect_error(run("bench decode --pages 64", d), 2, {"--pages"});
+  expect_error(run("bench decode --kv-dtype bf16", d), 2, {"--kv-dtype"});
+  expect_error(run("bench decode --requests 0 --no-record", d), 2, {"--requests value 0"});
+  expect_error(run("bench decode --contexts 4 --no-record", d), 2, {"--contexts value 4"});
+  expect_error(run("bench decode --tp 4 --heads 6 --no-record", d), 2, {"--heads = 6", "--tp = 4"});
+  expect_error(run("bench insert --tokens 0 --no-record", d), 2, {"--tokens value 0"});
+  expect_error(run("bench prefill --chunk 4096 --contexts 1024 --no-record", d), 2, {"--contexts value 1024"});
+  expect_error(run("bench step --layers 0", d), 2, {"--layers"});
+  expect_error(run("bench step --requests 2000 --no-record", d), 2, {"--requests value 2000"});
+
+  const std::string tiny = " --replays 2 --repeats 1 -q --out " + q(d / "rec.json");
+  if (!cuda_available()) {
+    const Result r = run("bench decode --requests 1 --contexts 1024" + tiny, d);
+    EXPECT_NE(r.status, 0);
+    EXPECT_TRUE(r.err.find("CUDA backend") != std::string::npos || r.err.find("no CUDA GPU") != std::string::npos) << r.err;
+    EXPECT_FALSE(fs::exists(d / "rec.json"));
+    fs::remove_all(d);
+    GTEST_SKIP() << "no CUDA GPU: the benchmarks themselves were not run";
+  }
+  const std::vector<std::pair<std::string, std::string>> runs = {
+      {"decode", "bench decode --requests 2 --contexts 2048 --pages 128,256"},
+      {"topk", "bench topk --requests 2 --contexts 2048 --pages 128"},
+      {"decode", "bench decode --tp 4 --requests 1 --contexts 3000 --pages 256 --kv-dtype fp8"},
+      {"insert", "bench insert --tokens 64,1000"},
+      {"prefill", "bench prefill --contexts 4096 --chunk 512"},
+      {"step", "bench step --requests 2 --context 4096 --layers 3"}};
+  for (const auto& [name, args] : runs) {
+    fs::remove(d / "rec.json");
+    const Result r = run(args + tiny, d);
+    ASSERT_EQ(r.status, 0) << args << "\n" << r.err;
+    const json rec = json::parse(slurp(d / "rec.json"));
+    EXPECT_EQ(rec["benchmark"], name) << args;
+    for (const char* k : {"device", "num_gpus", "processes", "cuda", "driver", "git_rev", "command", "copy_bandwidth_gbs"})
+      EXPECT_TRUE(rec.contains(k)) << args << ": no " << k;
+    EXPECT_GT(rec["copy_bandwidth_gbs"].get<double>(), 100.0);
+    ASSERT_TRUE(rec["results"].is_array() && !rec["results"].empty()) << args;
+    for (const auto& res : rec["results"]) {
+      EXPECT_TRUE(res.contains("variant"));
+      EXPECT_GT(res["median_us"].get<double>(), 0.0) << res.dump();
+      EXPECT_LE(res["min_us"].get<double>(), res["median_us"].get<double>());
+      EXPECT_GE(res["max_us"].get<double>(), res["median_us"].get<double>());
+      EXPECT_EQ(res["samples"], 2);
+      if (res.contains("selections_equal_replicated")) EXPECT_TRUE(res["selections_equal_replicated"].get<bool>()) << res.dump();
+      if (res.contains("bandwidth_fraction")) {
+        EXPECT_GE(res["bandwidth_fraction"].get<double>(), 0.0);
+        EXPECT_LT(res["bandwidth_fraction"].get<double>(), 1.5) << res.dump();
+      }
+    }
+    if (name == "decode" && args.find("--tp 4") == std::string::npos) {
+      int icp_stock = 0;
+      for (const auto& res : rec["results"]) icp_stock += res["variant"] == "icp_stock";
+      EXPECT_EQ(icp_stock, 1) << "icp_stock only at P256, TP2";
+    }
+    if (name == "step")
+      for (const auto& res : rec["results"])
+        EXPECT_EQ(res["index_bytes_per_token_per_layer"], res["variant"] == "step_sharding_on" ? 36 : 72);
+  }
   fs::remove_all(d);
 }

@@ -1,95 +1,101 @@
 #!/usr/bin/env bash
-# Build, test and benchmark the CUDA backend on a machine with a GPU, in one go, logs under $OUT.
+# Build, test, sanitize and benchmark the CUDA backend on a machine with a GPU, in one go; logs
+# and records under $OUT (records packed into $OUT/records.tar, since few files come back).
 #   OUT=/tmp/out bash bench/cuda/device_check.sh [phases...]
-# phases (default: build test bench): build | test | sanitize | bench | prebuilt
-#   prebuilt  run the GPU tests with binaries in build-carry/ (built elsewhere) while `build` runs
-# Environment: INDEXCP_SHARED_DIR (default ./shared), JOBS (16), BUILD_DIR (build-dev).
+# phases (default: build test bench): build | test | sanitize | bench | quickbench
+#   bench       the full suite: indexcp bench decode (+ --dump for the PyTorch baseline), topk,
+#               insert, prefill, step, decode --tp 4; then bench/torch/baseline.py on the dump
+#   quickbench  the same with few replays and small shapes (a smoke test of the commands)
+# Environment: INDEXCP_SHARED_DIR (default ./shared), JOBS (16), BUILD_DIR (build-dev),
+#              INDEXCP_GIT_REV (stored in the records), BENCH_ARGS (extra args for every bench).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 export INDEXCP_SHARED_DIR=${INDEXCP_SHARED_DIR:-$PWD/shared}
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+export PATH=/usr/local/cuda/bin:$PATH
 BUILD_DIR=${BUILD_DIR:-build-dev}
 JOBS=${JOBS:-16}
 PHASES=${*:-build test bench}
+RES=${RES:-/tmp/indexcp-records}
+mkdir -p "$RES"
 log() { echo "[$(date +%T)] $*" | tee -a "$OUT/summary.txt"; }
 
 do_build() {
   log "build: configure + ninja ($BUILD_DIR)"
   { cmake -S . -B "$BUILD_DIR" -G Ninja -DINDEXCP_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a -DCMAKE_BUILD_TYPE=Release \
-      -DINDEXCP_BUILD_CLI=OFF -DINDEXCP_SHARED_DIR="$INDEXCP_SHARED_DIR" &&
-    timeout "${BUILD_TIMEOUT:-420}" nice -n 10 ninja -C "$BUILD_DIR" -j "$JOBS" test_gpu indexcp_bench_decode; } > "$OUT/build.log" 2>&1
+      -DINDEXCP_SHARED_DIR="$INDEXCP_SHARED_DIR" &&
+    timeout "${BUILD_TIMEOUT:-420}" nice -n 10 ninja -C "$BUILD_DIR" -j "$JOBS" -k 0 ${TARGETS:-}; } > "$OUT/build.log" 2>&1
   local rc=$?
   log "build rc=$rc"
   return $rc
 }
 
-run_tests() {  # $1 = directory holding test_gpu
-  local bin=$1/test_gpu shards=4 pids=()
-  log "tests: $bin in $shards shards"
-  for i in $(seq 0 $((shards - 1))); do
-    GTEST_TOTAL_SHARDS=$shards GTEST_SHARD_INDEX=$i timeout "${TEST_TIMEOUT:-400}" "$bin" --gtest_color=no > "$OUT/test_shard$i.log" 2>&1 &
-    pids+=($!)
-  done
-  local rc=0
-  for p in "${pids[@]}"; do wait "$p" || rc=1; done
-  cat "$OUT"/test_shard*.log > "$OUT/test.log"
-  rm -f "$OUT"/test_shard*.log
-  grep -E "^\[  (PASSED|FAILED|SKIPPED) \]|tests? ran|FAILED TEST" "$OUT/test.log" | tee -a "$OUT/summary.txt"
+do_test() {  # the whole ctest suite (GPU tests included), in parallel
+  log "tests: ctest -LE slow"
+  (cd "$BUILD_DIR" && timeout "${TEST_TIMEOUT:-420}" ctest -LE slow -j 8 --output-on-failure) > "$OUT/test.log" 2>&1
+  local rc=$?
+  grep -E "tests passed|tests failed|\(Failed\)|\(SEGFAULT\)|\(Timeout\)|Not Run" "$OUT/test.log" | tee -a "$OUT/summary.txt"
   log "tests rc=$rc"
   return $rc
 }
 
 do_sanitize() {
   local bin=$BUILD_DIR/tests/test_gpu
-  [ -x "$bin" ] || bin=build-carry/test_gpu
-  [ -n "${PREBUILT:-}" ] && bin=build-carry/test_gpu
-  local f='GpuCases.*:GpuGraph.*:GpuDecode.ExactData*:GpuDecode.SelectionIsExact*:All/GpuIcp.*/4:All/GpuIcp.*/20:All/GpuIcp.*/14:GpuInsert.Refusals*:GpuQCast.*:GpuPrefill.PrefillEquals*:GpuStage.*:-GpuCases.C07*'
+  local f='GpuCases.*:GpuGraph.*:GpuDecode.ExactData*:All/GpuIcp.*/4:All/GpuIcp.*/20:GpuInsert.Refusals*:GpuStage.*:GpuReliabilityBuffers.*:GpuReliabilityFaults.Refused*:-GpuCases.C07*'
   log "memcheck: $f"
-  timeout "${MEMCHECK_TIMEOUT:-420}" compute-sanitizer --tool memcheck --error-exitcode 9 "$bin" --gtest_filter="$f" --gtest_color=no \
+  timeout "${MEMCHECK_TIMEOUT:-300}" compute-sanitizer --tool memcheck --error-exitcode 9 "$bin" --gtest_filter="$f" --gtest_color=no \
     > "$OUT/memcheck.log" 2>&1
   log "memcheck rc=$? $(grep -E 'ERROR SUMMARY|PASSED|FAILED' "$OUT/memcheck.log" | tr '\n' ' ')"
-  local r='GpuDecode.ExactData*:All/GpuIcp.*/4:GpuGraph.*:GpuPrefill.PrefillEquals*:GpuInsert.Refusals*'
-  log "racecheck: $r"
-  timeout "${RACECHECK_TIMEOUT:-420}" compute-sanitizer --tool racecheck --error-exitcode 9 "$bin" --gtest_filter="$r" --gtest_color=no \
-    > "$OUT/racecheck.log" 2>&1
-  log "racecheck rc=$? $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY|PASSED|FAILED' "$OUT/racecheck.log" | tr '\n' ' ')"
+}
+
+bench() {  # bench NAME ARGS...: one `indexcp bench` run, record into $RES
+  local name=$1
+  shift
+  log "bench $name: indexcp bench $* ${BENCH_ARGS:-}"
+  timeout "${BENCH_TIMEOUT:-300}" "$BUILD_DIR/bin/indexcp" bench "$@" --out "$RES/$name.json" ${BENCH_ARGS:-} \
+    >> "$OUT/bench.log" 2>> "$OUT/bench-progress.log"
+  log "bench $name rc=$?"
 }
 
 do_bench() {
-  local bin=$BUILD_DIR/bench/cuda/indexcp_bench_decode
-  [ -x "$bin" ] || bin=build-carry/indexcp_bench_decode
-  [ -n "${PREBUILT:-}" ] && bin=build-carry/indexcp_bench_decode
-  local drv
-  drv=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1)
-  log "bench: $bin ${BENCH_ARGS:-}"
-  timeout "${BENCH_TIMEOUT:-120}" "$bin" --out "$OUT/decode-h200-$(date +%Y-%m-%d).json" --git-rev "${GIT_REV:-unknown}" --driver "${drv:-unknown}" \
-    ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
-  log "bench rc=$?"
-  tail -60 "$OUT/bench.log"
+  local d
+  d=$(date +%Y-%m-%d)
+  bench "decode-h200-$d" decode --dump /tmp/indexcp-dump
+  bench "topk-h200-$d" topk
+  bench "insert-h200-$d" insert
+  bench "prefill-h200-$d" prefill
+  bench "step-h200-$d" step
+  bench "decode-tp4-h200-$d" decode --tp 4 --pages 128,256
+  log "torch baseline"
+  PYTHONUNBUFFERED=1 timeout "${TORCH_TIMEOUT:-400}" python3 bench/torch/baseline.py --dump /tmp/indexcp-dump \
+    --record "$RES/decode-h200-$d.json" >> "$OUT/bench.log" 2>> "$OUT/bench-progress.log"
+  log "torch baseline rc=$?"
+}
+
+do_quickbench() {
+  BENCH_ARGS="--replays 5 --repeats 1 ${BENCH_ARGS:-}"
+  bench quick-decode decode --requests 2 --contexts 4096 --dump /tmp/indexcp-dump
+  bench quick-topk topk --requests 2 --contexts 4096
+  bench quick-insert insert --tokens 64,4096
+  bench quick-prefill prefill --contexts 16384 --chunk 1024
+  bench quick-step step --requests 2 --context 8192 --layers 4
+  bench quick-tp4 decode --tp 4 --requests 2 --contexts 4096
+  PYTHONUNBUFFERED=1 timeout 200 python3 bench/torch/baseline.py --dump /tmp/indexcp-dump --record "$RES/quick-decode.json" \
+    --replays 5 --repeats 1 >> "$OUT/bench.log" 2>> "$OUT/bench-progress.log"
+  log "torch baseline (quick) rc=$?"
 }
 
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 for ph in $PHASES; do
   case $ph in
-    prebuilt)
-      do_build &
-      BPID=$!
-      if LD_LIBRARY_PATH=$LD_LIBRARY_PATH build-carry/test_gpu --gtest_list_tests > /dev/null 2>&1; then
-        run_tests build-carry
-      else
-        log "prebuilt binary does not run here; waiting for the build"
-        wait $BPID
-        run_tests "$BUILD_DIR/tests"
-      fi
-      wait $BPID 2>/dev/null
-      ;;
-    ptest) run_tests build-carry ;;
     build) do_build ;;
-    test) run_tests "$BUILD_DIR/tests" ;;
+    test) do_test ;;
     sanitize) do_sanitize ;;
     bench) do_bench ;;
+    quickbench) do_quickbench ;;
   esac
 done
+tar -C "$RES" -cf "$OUT/records.tar" . 2>/dev/null
 log "done"

@@ -1,0 +1,246 @@
+// `indexcp bench decode` and `indexcp bench topk`: the decode indexer table of spec/bench.md
+// section 1 (method: bench.hpp). One GPU, the W TP ranks simulated on it; every cell times rank 0
+// (each rank's share is real data of real size).
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <memory>
+
+#include "bench/harness.cuh"
+#include "indexcp/cuda.hpp"
+#include "indexcp/error.hpp"
+#include "indexcp/npy.hpp"
+
+namespace indexcp::bench {
+namespace {
+
+void mkdirs(const std::string& p) {
+  std::string cur;
+  for (size_t i = 0; i <= p.size(); ++i) {
+    if (i == p.size() || p[i] == '/') {
+      if (!cur.empty() && ::mkdir(cur.c_str(), 0755) != 0 && errno != EEXIST)
+        throw Error(ErrorCode::kInvalidArgument, "--dump " + p + ": cannot create directory " + cur);
+    }
+    if (i < p.size()) cur += p[i];
+  }
+}
+
+// One page size's caches: a replicated cache and W shards holding the keys of max_req requests of
+// max_ctx tokens each (pages scattered over the pool by a shuffled block table).
+struct Pool {
+  int32_t P = 128, max_pages = 0;
+  std::vector<int32_t> bt;
+  std::unique_ptr<Buf<int32_t>> bt_dev;
+  std::unique_ptr<cuda::DeviceCache> repl;
+  std::vector<std::unique_ptr<cuda::DeviceCache>> shards;
+};
+
+std::unique_ptr<Pool> build_pool(KvDtype dt, int32_t P, int32_t W, int32_t max_req, int32_t max_ctx, cudaStream_t st) {
+  auto L = std::make_unique<Pool>();
+  L->P = P;
+  L->max_pages = (max_ctx + P - 1) / P;
+  const int64_t num_pages = static_cast<int64_t>(max_req) * L->max_pages;
+  L->bt = shuffled_block_table(num_pages, static_cast<uint32_t>(P));
+  L->bt_dev = std::make_unique<Buf<int32_t>>(L->bt);
+  L->repl = std::make_unique<cuda::DeviceCache>(make_page_layout(dt, P, 1), num_pages, 1, 0);
+  for (int32_t r = 0; r < W; ++r)
+    L->shards.push_back(std::make_unique<cuda::DeviceCache>(make_page_layout(dt, P, W), num_pages, 1, r));
+  const int64_t total = static_cast<int64_t>(max_req) * max_ctx;
+  const int64_t chunk = int64_t{1} << 20;
+  Buf<float> keys(static_cast<size_t>(chunk) * 128);
+  Buf<int64_t> slots(static_cast<size_t>(chunk));
+  const auto sst = reinterpret_cast<cuda::Stream>(st);
+  for (int64_t t0 = 0; t0 < total; t0 += chunk) {
+    const int64_t n = std::min(chunk, total - t0);
+    fill_keys(keys.p, n * 128, 0x1234567ull + t0, st);
+    fill_slots(slots.p, t0, n, max_ctx, L->bt_dev->p, L->max_pages, P, st);
+    cuda::insert_keys(*L->repl, 0, keys.p, slots.p, n, ::indexcp::InsertOptions{}, sst);
+    for (auto& s : L->shards) cuda::insert_keys(*s, 0, keys.p, slots.p, n, ::indexcp::InsertOptions{}, sst);
+  }
+  ck(cudaStreamSynchronize(st), "cudaStreamSynchronize");
+  return L;
+}
+
+void dump_pool(const std::string& dir, const Pool& L) {
+  mkdirs(dir);
+  const auto& l = L.repl->layout();
+  std::vector<uint8_t> bytes(static_cast<size_t>(L.repl->layer_stride()));
+  ck(cudaMemcpy(bytes.data(), L.repl->layer_ptr(0), bytes.size(), cudaMemcpyDeviceToHost), "cudaMemcpy (dump)");
+  npy::save(dir + "/pages.npy", npy::Dtype::kUint8, {L.repl->num_pages(), l.page_stride}, bytes.data());
+  const int64_t reqs = static_cast<int64_t>(L.bt.size()) / L.max_pages;
+  npy::save(dir + "/block_table.npy", {reqs, L.max_pages}, L.bt.data());
+}
+
+struct Variant {
+  std::string name;
+  Graph graph;
+  int64_t bytes;
+  bool eq;
+};
+
+}  // namespace
+
+bool decode(const DecodeOptions& o) {
+  validate(o);
+  const KvDtype dt = o.kv_dtype == "fp8" ? KvDtype::kFp8 : KvDtype::kNvfp4;
+  const KRounding mode = o.k_rounding == "exact" ? KRounding::kExact : KRounding::kE4m3;
+  const int32_t W = o.tp, H = o.heads, Q = o.query_len;
+  const int32_t max_req = *std::max_element(o.requests.begin(), o.requests.end());
+  const int32_t max_ctx = *std::max_element(o.contexts.begin(), o.contexts.end());
+  const int64_t pool_bytes = int64_t{2} * max_req * int64_t{max_ctx} * (dt == KvDtype::kNvfp4 ? 72 : 128);
+  Device dev;
+  size_t free_b = 0, total_b = 0;
+  ck(cudaMemGetInfo(&free_b, &total_b), "cudaMemGetInfo");
+  INDEXCP_REQUIRE(pool_bytes < static_cast<int64_t>(free_b) * 9 / 10,
+                  "--requests x --contexts need " + std::to_string(pool_bytes >> 20) + " MiB of index cache (replicated + shards), more than the GPU's " +
+                      std::to_string(free_b >> 20) + " MiB free");
+
+  const cudaStream_t st = dev.stream();
+  const auto sst = reinterpret_cast<cuda::Stream>(st);
+  std::printf("device %s: copy bandwidth %.0f GB/s (read + write), FP8 matrix rate %.0f TFLOP/s\n", dev.name().c_str(),
+              dev.copy_bandwidth_gbs(), dev.fp8_tflops());
+  std::printf("%s: TP%d simulated on one GPU, rank 0 timed, Q = %d, H = %d, %s (%s rounding), K = 16\n",
+              o.topk_only ? "top-k selection" : "decode indexer", W, Q, H, o.kv_dtype.c_str(), o.k_rounding.c_str());
+  std::printf("%-5s %-4s %-7s %-24s %10s %10s %9s %8s %s\n", "P", "reqs", "context", "variant", "median us", "MB read",
+              "floor us", "of floor", "sel==repl");
+  int cells = 0;
+  for (int P : o.pages) cells += static_cast<int>(o.requests.size() * o.contexts.size()) * (P == 256 && W == 2 && !o.topk_only ? 5 : 4);
+  Progress prog(cells, o.run.progress);
+
+  json results = json::array();
+  for (const int32_t P : o.pages) {
+    auto L = build_pool(dt, P, W, max_req, max_ctx, st);
+    const std::string pdir = o.dump.empty() ? "" : o.dump + "/P" + std::to_string(P);
+    if (!pdir.empty()) dump_pool(pdir, *L);
+    for (const int32_t B : o.requests)
+      for (const int32_t ctx : o.contexts) {
+        std::vector<int32_t> seq(static_cast<size_t>(B), ctx);
+        Buf<int32_t> seq_dev(seq);
+        const auto qh = random_q(static_cast<size_t>(B) * Q * H * 128, static_cast<uint32_t>(B * 7919 + ctx));
+        Buf<uint8_t> q_dev(qh);
+        DecodeBatch b;
+        b.q = q_dev.p;
+        b.heads = H;
+        b.block_table = L->bt_dev->p;
+        b.num_requests = B;
+        b.max_pages = L->max_pages;
+        b.seq_lens = seq_dev.p;
+        b.query_len = Q;
+        cuda::validate_decode_batch(b, L->repl->num_pages(), P);
+        cuda::DecodeShape shape;
+        shape.max_requests = B;
+        shape.max_pages = L->max_pages;
+        shape.query_len = Q;
+        shape.heads = H;
+        shape.mode = mode;
+        cuda::DecodeStep rep({L->repl.get()}, W, 0, shape, cuda::DecodePath::kReplicated);
+        std::vector<const cuda::DeviceCache*> cs;
+        for (auto& s : L->shards) cs.push_back(s.get());
+        cuda::DecodeStep icp_gen(cs, W, 0, shape, cuda::DecodePath::kIcp, false);
+        std::unique_ptr<cuda::DecodeStep> icp_stock;
+        if (P == 256 && W == 2) icp_stock = std::make_unique<cuda::DecodeStep>(cs, W, 0, shape, cuda::DecodePath::kIcp, true);
+        // Correctness of the cell first: the whole step of every path, all heads, compared.
+        const size_t nsel = static_cast<size_t>(B) * Q * H * shape.sel.topk;
+        Buf<int32_t> o_rep(nsel), o_icp(nsel), o_stk(nsel);
+        rep.run(b, o_rep.p, sst);
+        icp_gen.run(b, o_icp.p, sst);
+        if (icp_stock) icp_stock->run(b, o_stk.p, sst);
+        ck(cudaStreamSynchronize(st), "cudaStreamSynchronize");
+        const auto h_rep = o_rep.host();
+        const bool eq_gen = h_rep == o_icp.host();
+        const bool eq_stk = !icp_stock || h_rep == o_stk.host();
+        if (!pdir.empty()) {
+          const std::string cdir = pdir + "/B" + std::to_string(B) + "_ctx" + std::to_string(ctx);
+          mkdirs(cdir);
+          int32_t h0, nh;
+          owned_heads(H, W, 0, &h0, &nh);
+          const int64_t rows = static_cast<int64_t>(B) * Q, K = shape.sel.topk;
+          std::vector<int32_t> mine(static_cast<size_t>(rows * nh * K));
+          for (int64_t r = 0; r < rows; ++r)
+            for (int32_t h = 0; h < nh; ++h)
+              std::copy_n(h_rep.begin() + (r * H + h0 + h) * K, K, mine.begin() + (r * nh + h) * K);
+          npy::save(cdir + "/q.npy", npy::Dtype::kUint8, {rows, H, 128}, qh.data());
+          npy::save(cdir + "/selected.npy", {rows, nh, K}, mine.data());
+          std::ofstream(cdir + "/meta.json")
+              << json{{"page_size", P}, {"requests", B}, {"context", ctx}, {"query_len", Q}, {"heads", H},
+                      {"owned_heads", nh}, {"owned_head0", h0}, {"topk", K}, {"init_blocks", shape.sel.init_blocks},
+                      {"local_blocks", shape.sel.local_blocks}, {"kv_dtype", o.kv_dtype}, {"k_rounding", o.k_rounding},
+                      {"tp", W}}
+                     .dump(2)
+              << "\n";
+        }
+        int32_t h0, nh;
+        owned_heads(H, W, 0, &h0, &nh);
+        const int64_t rows = static_cast<int64_t>(B) * Q;
+        const int64_t hist_blocks = (ctx - 1) / 128;  // upper bound of a row's historical blocks
+        std::vector<Variant> vs;
+        auto add = [&](const std::string& name, int64_t bytes, bool eq, auto&& fn) {
+          vs.push_back({name, Graph(dev.capture(fn)), bytes, eq});
+        };
+        if (!o.topk_only) {
+          add("replicated_stock", rep.bytes_read(0, seq), true, [&] {
+            rep.enqueue_score(0, b, sst);
+            rep.enqueue_select(0, b, o_rep.p, sst);
+          });
+          add("replicated_stock_score", rep.bytes_read(0, seq), true, [&] { rep.enqueue_score(0, b, sst); });
+          add("icp_general", icp_gen.bytes_read(0, seq), eq_gen, [&] {
+            icp_gen.enqueue_score(0, b, sst);
+            icp_gen.enqueue_publish(0, b, sst);
+            icp_gen.enqueue_select(0, b, o_icp.p, sst);
+          });
+          add("icp_general_score", icp_gen.bytes_read(0, seq), eq_gen, [&] { icp_gen.enqueue_score(0, b, sst); });
+          if (icp_stock)
+            add("icp_stock", icp_stock->bytes_read(0, seq), eq_stk, [&] {
+              icp_stock->enqueue_score(0, b, sst);
+              icp_stock->enqueue_publish(0, b, sst);
+              icp_stock->enqueue_select(0, b, o_stk.p, sst);
+            });
+        } else {
+          // bytes: the block scores read (fp32 per row, head and historical block)
+          add("replicated_select", rows * nh * hist_blocks * 4, true, [&] { rep.enqueue_select(0, b, o_rep.p, sst); });
+          add("icp_publish", rows * H * hist_blocks * 4, eq_gen, [&] { icp_gen.enqueue_publish(0, b, sst); });
+          add("icp_merge", rows * nh * W * shape.sel.ranked() * 8, eq_gen, [&] { icp_gen.enqueue_select(0, b, o_icp.p, sst); });
+          add("icp_publish_merge", rows * H * hist_blocks * 4 + rows * nh * W * shape.sel.ranked() * 8, eq_gen, [&] {
+            icp_gen.enqueue_publish(0, b, sst);
+            icp_gen.enqueue_select(0, b, o_icp.p, sst);
+          });
+        }
+        std::map<std::string, std::vector<Stat>> runs;
+        for (int rep_i = 0; rep_i < o.run.repeats; ++rep_i)
+          for (auto& v : vs) runs[v.name].push_back(dev.time_graph(v.graph.e, o.run.replays));
+        double rep_us = 0;
+        for (auto& v : vs) {
+          const Combined c = combine(runs[v.name]);
+          if (v.name == "replicated_stock") rep_us = c.median;
+          const double floor_us = v.bytes / (dev.copy_bandwidth_gbs() * 1e3);
+          json j = {{"variant", v.name}, {"tp", W}, {"page_size", P}, {"requests", B}, {"context", ctx}, {"query_len", Q},
+                    {"heads", H}, {"owned_heads", nh}, {"kv_dtype", o.kv_dtype}, {"k_rounding", o.k_rounding},
+                    {"bytes_read", v.bytes}, {"floor_us", floor_us},
+                    {"bandwidth_fraction", v.bytes ? floor_us / c.median : 0.0},
+                    {"selections_equal_replicated", v.eq}};
+          j.update(timing_fields(c));
+          if ((v.name == "icp_general" || v.name == "icp_stock") && rep_us > 0) j["ratio_to_replicated_stock"] = c.median / rep_us;
+          results.push_back(j);
+          std::printf("%-5d %-4d %-7d %-24s %10.1f %10.1f %9.1f %7.1f%% %s%s\n", P, B, ctx, v.name.c_str(), c.median,
+                      v.bytes / 1e6, floor_us, v.bytes ? 100.0 * floor_us / c.median : 0.0, v.eq ? "yes" : "NO",
+                      c.agree ? "" : "  (repeats disagree > 2%)");
+          prog.step("P" + std::to_string(P) + " B" + std::to_string(B) + " ctx " + std::to_string(ctx) + " " + v.name);
+        }
+        std::fflush(stdout);
+      }
+  }
+  json rec = record_header(o.topk_only ? "topk" : "decode", o.run, dev,
+                           "one GPU, TP" + std::to_string(W) +
+                               " ranks simulated (rank 0 timed, each rank's share real data of real size); each timed "
+                               "sequence a CUDA graph");
+  rec["results"] = results;
+  write_record(rec, o.run);
+  bool all_eq = true;
+  for (const auto& r : results) all_eq = all_eq && r["selections_equal_replicated"].get<bool>();
+  return all_eq;
+}
+
+}  // namespace indexcp::bench

@@ -1,0 +1,161 @@
+// Internal to `indexcp bench`: timing harness (graph capture, L2 flush, medians), device ceilings
+// (copy bandwidth, FP8 matrix rate), progress display, common record fields, data generation.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <chrono>
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "bench/bench.hpp"
+
+namespace indexcp::bench {
+
+using nlohmann::json;
+
+/// Throws indexcp::Error(kRuntime) naming `what` when e is not cudaSuccess.
+void ck(cudaError_t e, const char* what);
+
+struct Stat {
+  double median = 0, min = 0, max = 0;
+  int samples = 0;
+};
+Stat stats(std::vector<double> v);
+
+/// Repeated medians of one cell: averaged when within 2%, else the first (and `agree` false).
+struct Combined {
+  double median = 0;
+  bool agree = true;
+  std::vector<double> medians;
+  Stat first;
+};
+Combined combine(const std::vector<Stat>& runs);
+/// The common result fields of a combined cell (median_us, min_us, max_us, samples, repeats).
+json timing_fields(const Combined& c);
+
+/// The GPU, its stream, the L2 flush buffer and the ceilings measured in this run.
+class Device {
+ public:
+  explicit Device(bool measure_fp8 = true);
+  ~Device();
+  Device(const Device&) = delete;
+  Device& operator=(const Device&) = delete;
+
+  cudaStream_t stream() const { return st_; }
+  double copy_bandwidth_gbs() const { return copy_bw_; }
+  double fp8_tflops() const { return fp8_tflops_; }  ///< 0 when it could not be measured
+  const std::string& fp8_note() const { return fp8_note_; }
+  std::string name() const;
+  /// Flushes L2 (memset of flush_bytes() on the stream).
+  void flush_l2(int i);
+  size_t flush_bytes() const { return flush_bytes_; }
+
+  /// Captures fn()'s work on stream() into an executable graph.
+  template <class Fn>
+  cudaGraphExec_t capture(Fn&& fn) {
+    cudaGraph_t g;
+    cudaGraphExec_t e;
+    ck(cudaStreamBeginCapture(st_, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
+    fn();
+    ck(cudaStreamEndCapture(st_, &g), "cudaStreamEndCapture");
+    ck(cudaGraphInstantiate(&e, g, 0), "cudaGraphInstantiate");
+    ck(cudaGraphDestroy(g), "cudaGraphDestroy");
+    return e;
+  }
+  /// Replays `exec` n times (after 3 warm-ups), L2 flushed before each, only the graph timed.
+  Stat time_graph(cudaGraphExec_t exec, int n);
+  /// Times fn() n times with events recorded on stream() around it (fn may synchronize).
+  template <class Fn>
+  Stat time_eager(Fn&& fn, int n) {
+    for (int i = 0; i < 2; ++i) fn();
+    std::vector<double> us;
+    us.reserve(static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) {
+      flush_l2(i);
+      ck(cudaEventRecord(a_, st_), "cudaEventRecord");
+      fn();
+      ck(cudaEventRecord(b_, st_), "cudaEventRecord");
+      ck(cudaEventSynchronize(b_), "cudaEventSynchronize");
+      float ms = 0;
+      ck(cudaEventElapsedTime(&ms, a_, b_), "cudaEventElapsedTime");
+      us.push_back(ms * 1000.0);
+    }
+    return stats(us);
+  }
+
+ private:
+  cudaStream_t st_ = nullptr;
+  cudaEvent_t a_ = nullptr, b_ = nullptr;
+  void* flush_ = nullptr;
+  size_t flush_bytes_ = 0;
+  double copy_bw_ = 0, fp8_tflops_ = 0;
+  std::string fp8_note_;
+};
+
+/// Fields every record has (bench.md section 3) plus the method and the ceilings.
+json record_header(const std::string& benchmark, const RunOptions& o, const Device& d, const std::string& method);
+/// Writes the record to o.out (when set) and says so on stdout.
+void write_record(const json& rec, const RunOptions& o);
+
+/// "[k/n] what  (elapsed, ~left)" lines on stderr; one line rewritten in place on a terminal.
+class Progress {
+ public:
+  Progress(int total, bool enabled);
+  ~Progress();
+  void step(const std::string& what);
+
+ private:
+  int total_, done_ = 0;
+  bool enabled_, tty_;
+  std::chrono::steady_clock::time_point t0_;
+};
+
+/// Deterministic pseudo-normal fp32 keys (sum of 4 hashed uniforms, unit variance), n values.
+void fill_keys(float* dev, int64_t n, uint64_t seed, cudaStream_t st);
+/// Slots of tokens t0 .. t0+n-1 of requests laid out request-major with `ctx` tokens each, through
+/// the block table bt [requests][max_pages] (device).
+void fill_slots(int64_t* dev, int64_t t0, int64_t n, int32_t ctx, const int32_t* bt, int32_t max_pages, int32_t P,
+                cudaStream_t st);
+/// A shuffled page pool [requests * max_pages] (seeded), as a block table.
+std::vector<int32_t> shuffled_block_table(int64_t num_pages, uint32_t seed);
+/// E4M3 bytes of standard-normal q values.
+std::vector<uint8_t> random_q(size_t n, uint32_t seed);
+
+/// Device buffer owned by the benchmark (freed on scope exit).
+template <class T>
+struct Buf {
+  T* p = nullptr;
+  size_t n = 0;
+  Buf() = default;
+  explicit Buf(size_t count) : n(count) { ck(cudaMalloc(&p, (count ? count : 1) * sizeof(T)), "cudaMalloc"); }
+  explicit Buf(const std::vector<T>& h) : Buf(h.size()) {
+    ck(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice), "cudaMemcpy");
+  }
+  ~Buf() {
+    if (p) cudaFree(p);
+  }
+  Buf(const Buf&) = delete;
+  Buf& operator=(const Buf&) = delete;
+  std::vector<T> host() const {
+    std::vector<T> h(n);
+    ck(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost), "cudaMemcpy");
+    return h;
+  }
+};
+
+/// RAII for an executable graph.
+struct Graph {
+  cudaGraphExec_t e = nullptr;
+  explicit Graph(cudaGraphExec_t x) : e(x) {}
+  ~Graph() {
+    if (e) cudaGraphExecDestroy(e);
+  }
+  Graph(const Graph&) = delete;
+  Graph& operator=(const Graph&) = delete;
+  Graph(Graph&& o) noexcept : e(o.e) { o.e = nullptr; }
+};
+
+}  // namespace indexcp::bench

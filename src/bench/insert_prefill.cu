@@ -1,0 +1,225 @@
+// `indexcp bench insert` and `indexcp bench prefill` (spec/bench.md section 2; method: bench.hpp).
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <memory>
+
+#include "bench/harness.cuh"
+#include "indexcp/cuda.hpp"
+#include "indexcp/error.hpp"
+
+namespace indexcp::bench {
+
+bool insert(const InsertOptions& o) {
+  validate(o);
+  Device dev(false);
+  const cudaStream_t st = dev.stream();
+  const auto sst = reinterpret_cast<cuda::Stream>(st);
+  const int32_t P = 128;
+  std::printf("device %s: copy bandwidth %.0f GB/s\n", dev.name().c_str(), dev.copy_bandwidth_gbs());
+  std::printf("insert: fp32 keys -> cache pages (P = %d, slots scattered over shuffled pages), events around the "
+              "synchronous call (validation and duplicate check included)\n",
+              P);
+  std::printf("%-6s %-10s %-9s %10s %12s %9s %9s\n", "dtype", "cache", "tokens", "median us", "Mtokens/s", "GB/s",
+              "of copy");
+  Progress prog(static_cast<int>(o.tokens.size() * o.kv_dtypes.size() * 2), o.run.progress);
+  json results = json::array();
+  const int32_t max_n = *std::max_element(o.tokens.begin(), o.tokens.end());
+  Buf<float> keys(static_cast<size_t>(max_n) * 128);
+  fill_keys(keys.p, static_cast<int64_t>(max_n) * 128, 0xabcdefull, st);
+  for (const auto& dts : o.kv_dtypes) {
+    const KvDtype dt = dts == "fp8" ? KvDtype::kFp8 : KvDtype::kNvfp4;
+    for (const int32_t n : o.tokens) {
+      const int32_t pages = (n + P - 1) / P;
+      const auto bt = shuffled_block_table(pages, static_cast<uint32_t>(n));
+      Buf<int32_t> bt_dev(bt);
+      Buf<int64_t> slots(static_cast<size_t>(n));
+      fill_slots(slots.p, 0, n, n, bt_dev.p, pages, P, st);
+      for (const int32_t W : {1, o.tp}) {
+        cuda::DeviceCache cache(make_page_layout(dt, P, W), pages, 1, 0);
+        std::vector<Stat> runs;
+        for (int r = 0; r < o.run.repeats; ++r)
+          runs.push_back(dev.time_eager([&] { cuda::insert_keys(cache, 0, keys.p, slots.p, n, ::indexcp::InsertOptions{}, sst); },
+                                        o.run.replays));
+        const Combined c = combine(runs);
+        const int64_t written = static_cast<int64_t>(n) * cache.layout().page_bytes() / P;  // this rank's share
+        const int64_t read = static_cast<int64_t>(n) * (128 * 4 + 8);
+        const double gbs = (read + written) / (c.median * 1e3);
+        const std::string cname = W == 1 ? "replicated" : "shard 0/" + std::to_string(W);
+        json j = {{"variant", W == 1 ? "insert_replicated" : "insert_sharded"}, {"tp", W}, {"page_size", P},
+                  {"tokens", n}, {"kv_dtype", dts}, {"bytes_read", read}, {"bytes_written", written},
+                  {"tokens_per_s", n / (c.median * 1e-6)}, {"gb_per_s", gbs},
+                  {"bandwidth_fraction", gbs / dev.copy_bandwidth_gbs()}};
+        j.update(timing_fields(c));
+        results.push_back(j);
+        std::printf("%-6s %-10s %-9d %10.1f %12.1f %9.1f %8.1f%%\n", dts.c_str(), cname.c_str(), n, c.median,
+                    n / c.median, gbs, 100.0 * gbs / dev.copy_bandwidth_gbs());
+        prog.step("insert " + dts + " " + cname + " " + std::to_string(n) + " tokens");
+      }
+    }
+  }
+  json rec = record_header("insert", o.run, dev, "one GPU; CUDA events around the synchronous cuda::insert_keys call");
+  rec["results"] = results;
+  write_record(rec, o.run);
+  return true;
+}
+
+bool prefill(const PrefillOptions& o) {
+  validate(o);
+  Device dev;
+  const cudaStream_t st = dev.stream();
+  const auto sst = reinterpret_cast<cuda::Stream>(st);
+  const int32_t P = o.page_size, W = o.tp, H = o.heads, B = o.requests, T = o.chunk;
+  std::printf("device %s: copy bandwidth %.0f GB/s, FP8 matrix rate %.0f TFLOP/s\n", dev.name().c_str(),
+              dev.copy_bandwidth_gbs(), dev.fp8_tflops());
+  std::printf("gather prefill, TP%d simulated, P = %d, %d request(s), chunk of %d new tokens, H = %d, NVFP4\n", W, P, B, T, H);
+  Progress prog(static_cast<int>(o.contexts.size()) * 4, o.run.progress);
+  json results = json::array();
+  for (const int32_t ctx : o.contexts) {
+    const int32_t max_pages = (ctx + P - 1) / P;
+    const int64_t num_pages = static_cast<int64_t>(B) * max_pages;
+    const auto bt = shuffled_block_table(num_pages, static_cast<uint32_t>(ctx));
+    Buf<int32_t> bt_dev(bt);
+    cuda::DeviceCache repl(make_page_layout(KvDtype::kNvfp4, P, 1), num_pages, 1, 0);
+    std::vector<std::unique_ptr<cuda::DeviceCache>> shards;
+    for (int32_t r = 0; r < W; ++r)
+      shards.push_back(std::make_unique<cuda::DeviceCache>(make_page_layout(KvDtype::kNvfp4, P, W), num_pages, 1, r));
+    {
+      const int64_t total = static_cast<int64_t>(B) * ctx, chunk = int64_t{1} << 20;
+      Buf<float> keys(static_cast<size_t>(chunk) * 128);
+      Buf<int64_t> slots(static_cast<size_t>(chunk));
+      for (int64_t t0 = 0; t0 < total; t0 += chunk) {
+        const int64_t n = std::min(chunk, total - t0);
+        fill_keys(keys.p, n * 128, 0x77ull + t0, st);
+        fill_slots(slots.p, t0, n, ctx, bt_dev.p, max_pages, P, st);
+        cuda::insert_keys(repl, 0, keys.p, slots.p, n, ::indexcp::InsertOptions{}, sst);
+        for (auto& s : shards) cuda::insert_keys(*s, 0, keys.p, slots.p, n, ::indexcp::InsertOptions{}, sst);
+      }
+    }
+    // the batch: every request's last T tokens are the chunk (rows at L-T .. L-1)
+    std::vector<int32_t> seq(static_cast<size_t>(B), ctx), qs(static_cast<size_t>(B) + 1);
+    for (int32_t b = 0; b <= B; ++b) qs[b] = b * T;
+    const auto qh = random_q(static_cast<size_t>(B) * T * H * 128, 4242u + ctx);
+    Buf<int32_t> seq_dev(seq), qs_dev(qs);
+    Buf<uint8_t> q_dev(qh);
+    PrefillBatch pb;
+    pb.q = q_dev.p;
+    pb.heads = H;
+    pb.block_table = bt_dev.p;
+    pb.num_requests = B;
+    pb.max_pages = max_pages;
+    pb.seq_lens = seq_dev.p;
+    pb.query_start = qs_dev.p;
+    int32_t h0, nh;
+    owned_heads(H, W, 0, &h0, &nh);
+    // pages holding historical blocks (decisions.md: the gather stages only those)
+    const int64_t max_local = (static_cast<int64_t>(ctx) - 1) / 128;
+    const int64_t hist_pages = (max_local * 128 + P - 1) / P;
+    std::vector<int32_t> stage_ids;
+    for (int32_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < hist_pages; ++i) stage_ids.push_back(bt[static_cast<size_t>(b) * max_pages + i]);
+    const int64_t n_stage = static_cast<int64_t>(stage_ids.size());
+    const int32_t R = shards[0]->layout().rows();
+    Buf<int32_t> stage_dev(stage_ids);
+    Buf<uint8_t> staged(static_cast<size_t>(std::max<int64_t>(n_stage, 1)) * R * 128);
+    Buf<uint8_t> gathered(static_cast<size_t>(std::max<int64_t>(n_stage, 1)) * W * R * 128);
+    const std::string cell = "ctx " + std::to_string(ctx);
+    auto push = [&](json j, const Combined& c) {
+      j.update({{"tp", W}, {"page_size", P}, {"requests", B}, {"context", ctx}, {"chunk", T}, {"heads", H},
+                {"kv_dtype", "nvfp4"}});
+      j.update(timing_fields(c));
+      results.push_back(j);
+    };
+    auto repeat = [&](auto&& timer) {
+      std::vector<Stat> runs;
+      for (int r = 0; r < o.run.repeats; ++r) runs.push_back(timer());
+      return combine(runs);
+    };
+    {  // 1. staging NVFP4 -> FP8 of rank 0's rows
+      Graph g(dev.capture([&] { cuda::stage_fp8(*shards[0], 0, stage_dev.p, n_stage, staged.p, sst, false); }));
+      const Combined c = repeat([&] { return dev.time_graph(g.e, o.run.replays); });
+      const int64_t rd = n_stage * R * 72, wr = n_stage * R * 128;
+      const double gbs = (rd + wr) / (c.median * 1e3);
+      push({{"variant", "stage_fp8"}, {"pages", n_stage}, {"bytes_read", rd}, {"bytes_written", wr}, {"gb_per_s", gbs},
+            {"bandwidth_fraction", gbs / dev.copy_bandwidth_gbs()}},
+           c);
+      std::printf("%-8s stage_fp8          %9.1f us  %8.1f GB/s (%4.1f%% of copy bw), %lld pages\n", cell.c_str(), c.median,
+                  gbs, 100.0 * gbs / dev.copy_bandwidth_gbs(), static_cast<long long>(n_stage));
+      prog.step(cell + " stage_fp8");
+    }
+    {  // 2. the all-gather, simulated on one GPU: W device-to-device copies of the staged rows
+      const size_t part = static_cast<size_t>(n_stage) * R * 128;
+      Graph g(dev.capture([&] {
+        for (int32_t r = 0; r < W; ++r)
+          ck(cudaMemcpyAsync(gathered.p + r * part, staged.p, part, cudaMemcpyDeviceToDevice, st), "cudaMemcpyAsync");
+      }));
+      const Combined c = repeat([&] { return dev.time_graph(g.e, o.run.replays); });
+      const double gbs = 2.0 * W * part / (c.median * 1e3);
+      push({{"variant", "allgather_simulated"}, {"bytes_received", static_cast<int64_t>(part) * W},
+            {"gb_per_s", gbs}, {"bandwidth_fraction", gbs / dev.copy_bandwidth_gbs()},
+            {"note", "device-to-device copies on one GPU; NVLink/NCCL time is not measured here"}},
+           c);
+      std::printf("%-8s allgather (sim.)   %9.1f us  %8.1f GB/s, %.1f MB received per rank\n", cell.c_str(), c.median,
+                  gbs, W * part / 1e6);
+      prog.step(cell + " all-gather");
+    }
+    {  // 3. prefill scoring + selection of rank 0's heads (replicated cache, E4M3 keys)
+      const size_t nsel = static_cast<size_t>(B) * T * nh * 16;
+      Buf<int32_t> out(nsel);
+      SelectionParams sel;
+      const Combined c = repeat([&] {
+        return dev.time_eager([&] { cuda::prefill_select(repl, 0, pb, h0, nh, sel, out.p, sst); }, o.run.replays);
+      });
+      double flops = 0;  // 2 x 128 per (row, head, historical token)
+      for (int32_t t = 0; t < T; ++t) flops += 2.0 * 128 * nh * ((static_cast<int64_t>(ctx) - T + t) / 128) * 128.0;
+      flops *= B;
+      const double tf = flops / (c.median * 1e-6) / 1e12;
+      push({{"variant", "prefill_score_select"}, {"owned_heads", nh}, {"flops", flops}, {"tflops", tf},
+            {"fp8_matrix_fraction", dev.fp8_tflops() > 0 ? tf / dev.fp8_tflops() : 0.0},
+            {"note", "events around cuda::prefill_select (host validation of the batch included)"}},
+           c);
+      std::printf("%-8s score + select     %9.1f us  %8.1f TFLOP/s (%4.1f%% of the FP8 matrix rate)\n", cell.c_str(),
+                  c.median, tf, dev.fp8_tflops() > 0 ? 100.0 * tf / dev.fp8_tflops() : 0.0);
+      prog.step(cell + " prefill scoring");
+    }
+    {  // 4. the whole budgeted gather prefill, all W ranks (host threads), wall clock
+      std::vector<GatherStats> gs(static_cast<size_t>(W));
+      std::vector<std::unique_ptr<Buf<int32_t>>> outs;
+      for (int32_t r = 0; r < W; ++r) outs.push_back(std::make_unique<Buf<int32_t>>(static_cast<size_t>(B) * T * H * 16));
+      SelectionParams sel;
+      const int64_t budget = static_cast<int64_t>(o.budget_mib) << 20;
+      std::vector<double> us;
+      const int n = std::min(o.run.replays, 20);
+      for (int i = 0; i < n + 1; ++i) {
+        const auto a = std::chrono::steady_clock::now();
+        cuda::run_device_ranks(W, [&](int r, Communicator& comm, cuda::Stream s) {
+          gs[r] = cuda::prefill_gather(comm, *shards[r], 0, pb, sel, budget, outs[r]->p, s);
+        });
+        const double t = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - a).count();
+        if (i > 0) us.push_back(t);
+      }
+      Combined c;
+      c.first = stats(us);
+      c.median = c.first.median;
+      c.medians = {c.median};
+      push({{"variant", "prefill_gather_all_ranks"}, {"budget_bytes", budget}, {"reserved_bytes", gs[0].reserved_bytes},
+            {"chunks", gs[0].chunks}, {"pages", gs[0].pages}, {"gathered_bytes", gs[0].gathered_bytes},
+            {"note", "wall clock of cuda::run_device_ranks (W host threads, one GPU), median of " + std::to_string(n)}},
+           c);
+      std::printf("%-8s gather prefill     %9.1f us  wall, all %d ranks; reserved %.1f MiB per rank (budget %d MiB), %lld "
+                  "chunk(s)\n",
+                  cell.c_str(), c.median, W, gs[0].reserved_bytes / 1048576.0, o.budget_mib,
+                  static_cast<long long>(gs[0].chunks));
+      prog.step(cell + " gather prefill");
+    }
+  }
+  json rec = record_header("prefill", o.run, dev,
+                           "one GPU, TP" + std::to_string(W) +
+                               " ranks simulated; staging and all-gather as CUDA graphs, scoring with events around the "
+                               "synchronous call, the whole gather by wall clock");
+  rec["results"] = results;
+  write_record(rec, o.run);
+  return true;
+}
+
+}  // namespace indexcp::bench

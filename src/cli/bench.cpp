@@ -1,0 +1,132 @@
+// `indexcp bench decode|topk|insert|prefill|step`: the benchmarks of spec/bench.md on the CUDA
+// backend (src/bench/bench.hpp has the method). Exit status as the other commands; 3 when a
+// sharded selection differed from the replicated one.
+#include "bench_cli.hpp"
+
+#include <CLI/CLI.hpp>
+
+#include "bench/bench.hpp"
+
+namespace indexcp::cli {
+namespace {
+
+void add_common(CLI::App* c, bench::RunOptions& r) {
+  c->add_option("--replays", r.replays, "timed replays per cell; the median is reported")
+      ->check(CLI::Range(1, 100000))
+      ->capture_default_str();
+  c->add_option("--repeats", r.repeats, "whole-table repetitions (medians averaged when within 2%)")
+      ->check(CLI::Range(1, 4))
+      ->capture_default_str();
+  c->add_option("--out", r.out,
+                "JSON record to write; 'auto' = <benchmark>-<device>-<date>.json in the current directory")
+      ->capture_default_str();
+  c->add_flag_callback("--no-record", [&r] { r.out.clear(); }, "write no JSON record");
+  c->add_option("--git-rev", r.git_rev, "git revision stored in the record (default: $INDEXCP_GIT_REV or unknown)");
+  c->add_flag_callback("-q,--quiet", [&r] { r.progress = false; }, "no progress lines on stderr");
+}
+
+}  // namespace
+
+struct BenchCommand::Impl {
+  CLI::App* bench = nullptr;
+  CLI::App *decode = nullptr, *topk = nullptr, *insert = nullptr, *prefill = nullptr, *step = nullptr;
+  bench::DecodeOptions d, t;
+  bench::InsertOptions i;
+  bench::PrefillOptions p;
+  bench::StepOptions s;
+};
+
+BenchCommand::BenchCommand(CLI::App& app) : impl_(std::make_unique<Impl>()) {
+  Impl& m = *impl_;
+  m.bench = app.add_subcommand("bench", "Benchmarks of the CUDA backend (spec/bench.md): decode, topk, insert, prefill, step");
+  m.bench->require_subcommand(1);
+  m.bench->footer(
+      "One GPU, TP ranks simulated on it. Each timed sequence is a CUDA graph replayed --replays times with L2 flushed "
+      "before each; the table runs --repeats times. Copy bandwidth and FP8 matrix rate are measured in the same run. "
+      "Prints a table, progress on stderr, and writes a JSON record (bench/plot.py turns records into charts).");
+  for (int k = 0; k < 2; ++k) {
+    const bool topk = k == 1;
+    bench::DecodeOptions& o = topk ? m.t : m.d;
+    o.topk_only = topk;
+    CLI::App* c = m.bench->add_subcommand(
+        topk ? "topk" : "decode",
+        topk ? "Top-k selection, ICP publish and merge alone, on the shapes of the decode table"
+             : "The decode indexer table (bench.md section 1): replicated stock vs ICP general / stock scorer");
+    add_common(c, o.run);
+    c->add_option("--requests", o.requests, "requests per batch")->delimiter(',')->capture_default_str();
+    c->add_option("--contexts", o.contexts, "context lengths in tokens")->delimiter(',')->capture_default_str();
+    c->add_option("--pages", o.pages, "page sizes")->delimiter(',')->check(CLI::IsMember({128, 256}))->capture_default_str();
+    c->add_option("--tp", o.tp, "simulated TP size")->check(CLI::IsMember({2, 4, 8}))->capture_default_str();
+    c->add_option("--heads", o.heads, "index heads")->check(CLI::Range(1, 64))->capture_default_str();
+    c->add_option("--query-len", o.query_len, "queries per request (Q)")->check(CLI::Range(1, 16))->capture_default_str();
+    c->add_option("--kv-dtype", o.kv_dtype, "index cache dtype")->check(CLI::IsMember({"nvfp4", "fp8"}))->capture_default_str();
+    c->add_option("--k-rounding", o.k_rounding, "NVFP4 K rounding")->check(CLI::IsMember({"e4m3", "exact"}))->capture_default_str();
+    if (!topk)
+      c->add_option("--dump", o.dump,
+                    "write the replicated pages, block table, q and selections under DIR (input of bench/torch/baseline.py)");
+    (topk ? m.topk : m.decode) = c;
+  }
+  {
+    auto* c = m.insert = m.bench->add_subcommand("insert", "Insert (quantize + write) throughput, replicated and sharded");
+    add_common(c, m.i.run);
+    c->add_option("--tokens", m.i.tokens, "tokens per insert call")->delimiter(',')->capture_default_str();
+    c->add_option("--kv-dtypes", m.i.kv_dtypes, "cache dtypes")->delimiter(',')->check(CLI::IsMember({"nvfp4", "fp8"}))->capture_default_str();
+    c->add_option("--tp", m.i.tp, "shards of the sharded cache")->check(CLI::IsMember({2, 4, 8}))->capture_default_str();
+  }
+  {
+    auto* c = m.prefill = m.bench->add_subcommand("prefill", "Gather prefill: FP8 staging, all-gather, scoring TFLOP/s, transient bytes");
+    add_common(c, m.p.run);
+    c->add_option("--requests", m.p.requests, "requests")->check(CLI::Range(1, 64))->capture_default_str();
+    c->add_option("--contexts", m.p.contexts, "context lengths L (the chunk is the last --chunk tokens)")->delimiter(',')->capture_default_str();
+    c->add_option("--chunk", m.p.chunk, "new tokens per request (query rows)")->check(CLI::Range(1, 65536))->capture_default_str();
+    c->add_option("--page-size", m.p.page_size, "page size")->check(CLI::IsMember({128, 256}))->capture_default_str();
+    c->add_option("--tp", m.p.tp, "simulated TP size")->check(CLI::IsMember({2, 4, 8}))->capture_default_str();
+    c->add_option("--heads", m.p.heads, "index heads")->check(CLI::Range(1, 64))->capture_default_str();
+    c->add_option("--budget-mib", m.p.budget_mib, "indexer_prefill_gather_budget_mib")->check(CLI::Range(1, 65536))->capture_default_str();
+  }
+  {
+    auto* c = m.step = m.bench->add_subcommand("step", "The whole decode step across all sparse layers, sharding off vs on");
+    add_common(c, m.s.run);
+    c->add_option("--requests", m.s.requests, "requests per batch")->delimiter(',')->capture_default_str();
+    c->add_option("--context", m.s.context, "context length in tokens")->capture_default_str();
+    c->add_option("--page-size", m.s.page_size, "page size")->check(CLI::IsMember({128, 256}))->capture_default_str();
+    c->add_option("--layers", m.s.layers, "sparse layers (MiniMax-M3: 57)")->check(CLI::Range(1, 256))->capture_default_str();
+    c->add_option("--tp", m.s.tp, "simulated TP size")->check(CLI::IsMember({2, 4, 8}))->capture_default_str();
+    c->add_option("--heads", m.s.heads, "index heads")->check(CLI::Range(1, 64))->capture_default_str();
+    c->add_option("--query-len", m.s.query_len, "queries per request (Q)")->check(CLI::Range(1, 16))->capture_default_str();
+  }
+}
+
+BenchCommand::~BenchCommand() = default;
+
+bool BenchCommand::parsed() const { return impl_->bench->parsed(); }
+
+int BenchCommand::run(int argc, char** argv) {
+  Impl& m = *impl_;
+  std::string cmd;
+  for (int k = 0; k < argc; ++k) cmd += (k ? " " : "") + std::string(argv[k]);
+  bool eq = true;
+  if (m.decode->parsed()) {
+    m.d.run.command = cmd;
+    eq = bench::decode(m.d);
+  } else if (m.topk->parsed()) {
+    m.t.run.command = cmd;
+    eq = bench::decode(m.t);
+  } else if (m.insert->parsed()) {
+    m.i.run.command = cmd;
+    eq = bench::insert(m.i);
+  } else if (m.prefill->parsed()) {
+    m.p.run.command = cmd;
+    eq = bench::prefill(m.p);
+  } else if (m.step->parsed()) {
+    m.s.run.command = cmd;
+    eq = bench::step(m.s);
+  }
+  if (!eq) {
+    std::fprintf(stderr, "indexcp: error: a sharded selection differs from the replicated one (see the table)\n");
+    return 3;
+  }
+  return 0;
+}
+
+}  // namespace indexcp::cli
