@@ -11,11 +11,15 @@
 
 namespace indexcp::cuda::detail {
 
-/// Throws Error(kRuntime) naming the CUDA call when `e` is not cudaSuccess.
+/// Throws Error(kRuntime) naming the CUDA call when `e` is not cudaSuccess. The runtime's
+/// per-thread last error is cleared first: the failure is reported once, by this exception, and
+/// not again by the next launch check of a later, valid call (sticky errors persist regardless).
 inline void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess)
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
     throw Error(ErrorCode::kRuntime, std::string("CUDA: ") + what + " failed: " + cudaGetErrorName(e) +
                                          " (" + cudaGetErrorString(e) + ")");
+  }
 }
 #define INDEXCP_CUDA_CHECK(call) ::indexcp::cuda::detail::check((call), #call)
 /// After a kernel launch: reports launch-configuration errors (never waits for the kernel).
