@@ -27,6 +27,13 @@ class Communicator {
   virtual void all_to_all(const void* send, void* recv, std::size_t bytes, void* stream) = 0;
   /// Bytes this rank has sent through the communicator so far (for the payload-size tests).
   virtual std::size_t bytes_sent() const = 0;
+  /// Waits until the work enqueued on `stream` so far has completed, with this communicator's
+  /// failure detection. A communicator whose collectives can hang when a peer dies (NCCL) bounds
+  /// the wait by its timeout, aborts itself and throws Error (kRuntime). The default does nothing:
+  /// the host communicators finish each collective before returning, and the in-process device
+  /// group cannot hang on a dead peer. The CUDA backend's functions that synchronize their stream
+  /// after a collective call this first.
+  virtual void synchronize(void* stream) { (void)stream; }
 };
 
 /// W ranks in one process, one thread each, exchanging host buffers. Blocking synchronization

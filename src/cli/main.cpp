@@ -1,4 +1,4 @@
-// The indexcp command: run (the main job), replay, capacity, config.
+// The indexcp command: run (the main job), replay, capacity, config, bench.
 //
 // Exit status: 0 success; 1 runtime failure; 2 usage or input error (bad flag, missing or corrupt
 // file, wrong dtype/shape, out-of-range value, refused configuration); 3 a sharded/CP selection
@@ -10,7 +10,9 @@
 #include <new>
 #include <string>
 
+#include "bench_cli.hpp"
 #include "commands.hpp"
+#include "launch.hpp"
 #include "indexcp/error.hpp"
 #include "indexcp/replay.hpp"
 #include "indexcp/tp_group.hpp"
@@ -185,6 +187,13 @@ static int real_main(int argc, char** argv) {
   con->add_option("--speculative-method", cfg.speculative_method, "speculative decoding method (informational)");
   con->add_flag("--kv-connector", cfg.kv_connector, "a KV connector / CPU offload is configured");
 
+  // ---- bench (bench.cpp)
+  BenchCommand bench_cmd(app);
+
+  // ---- launch (launch.cpp)
+  LaunchOptions lo;
+  auto* lau = add_launch_subcommand(app, lo);
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::Success& e) {
@@ -203,7 +212,9 @@ static int real_main(int argc, char** argv) {
     return capacity_command(co);
   }
   if (con->parsed()) return config_command(cfg);
-  print_error("a subcommand is required (run, replay, capacity, config)");
+  if (lau->parsed()) return launch_command(lo);
+  if (bench_cmd.parsed()) return bench_cmd.run(argc, argv);
+  print_error("a subcommand is required (run, replay, capacity, config, bench)");
   return 2;
 }
 

@@ -257,7 +257,8 @@ DeviceCache::DeviceCache(const PageLayout& layout, int64_t num_pages, int32_t nu
   if (e != cudaSuccess) {
     cudaGetLastError();
     throw Error(ErrorCode::kRuntime, "could not allocate the device index cache (" + std::to_string(bytes) +
-                                         " bytes): " + cudaGetErrorString(e));
+                                         " bytes): cudaMalloc failed: " + cudaGetErrorName(e) + " (" +
+                                         cudaGetErrorString(e) + ")");
   }
   data_ = static_cast<uint8_t*>(p);
   INDEXCP_CUDA_CHECK(cudaMemset(data_, 0, static_cast<size_t>(bytes)));
@@ -713,6 +714,7 @@ GatherStats prefill_gather(Communicator& comm, const DeviceCache& shard, int32_t
   s.out = out;
   s.out_heads = nh;
   launch_select(s, st);
+  comm.synchronize(st);  // bounded by the communicator's watchdog (NCCL), a no-op in-process
   check(cudaStreamSynchronize(st), "cudaStreamSynchronize (prefill_gather)");
   return gs;
 }
@@ -741,6 +743,7 @@ void prefill_local_score(Communicator& comm, const DeviceCache& shard, int32_t l
   sl.nh = batch.heads;
   sl.max_blocks = max_blocks_of(batch.max_pages, shard.layout());
   icp_select_device(comm, sl, shard, sl.rows, sel, out, cs(stream));
+  comm.synchronize(cs(stream));  // bounded by the communicator's watchdog (NCCL)
   check(cudaStreamSynchronize(cs(stream)), "cudaStreamSynchronize (prefill_local_score)");
 }
 

@@ -1,0 +1,439 @@
+// `indexcp launch --tp W -- COMMAND ...`: one process per rank on this host.
+//
+// For each rank r in 0..W-1 the launcher fork/execs COMMAND with
+//   INDEXCP_RANK=r  INDEXCP_WORLD=W  INDEXCP_DEVICE=r  INDEXCP_RENDEZVOUS=<fresh dir>
+//   INDEXCP_RUN_ID=<fresh id>  INDEXCP_REPORT_DIR=<fresh dir>  [INDEXCP_NCCL_TIMEOUT_S=--timeout]
+// (CUDA_VISIBLE_DEVICES is left alone), stdin from /dev/null, stdout and stderr through pipes: each
+// line is copied to the launcher's stdout / stderr prefixed "[rank r] ". Each rank runs in its own
+// process group, so that stopping a rank also stops what it started.
+//
+// When a rank exits with a non-zero status or is killed by a signal, the launcher sends SIGTERM to
+// every other rank's process group, SIGKILL after --grace seconds to what is left, and exits with
+// one line naming the first failed rank, its status and its last line on stderr. The same happens
+// at --time-limit and when the launcher itself gets SIGINT, SIGTERM or SIGHUP.
+//
+// Reports: a rank may write a JSON object to $INDEXCP_REPORT_DIR/rank<r>.json; the launcher merges
+// {"launcher": {...per-rank exit statuses...}, "ranks": [rank 0's report or null, ...]} and writes
+// it to --report FILE, or prints it on stdout when no --report is given and some rank wrote one.
+// The fresh directories live under one mkdtemp directory ($TMPDIR or /tmp) removed at the end.
+#include "launch.hpp"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "commands.hpp"
+#include "indexcp/error.hpp"
+#include "indexcp/rendezvous.hpp"
+
+namespace indexcp::cli {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+namespace {
+
+volatile sig_atomic_t g_signal = 0;
+extern "C" void on_signal(int sig) { g_signal = sig; }
+
+using Clock = std::chrono::steady_clock;
+double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+std::string seconds(double t) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%g", t);
+  return b;
+}
+
+void write_all(int fd, const char* p, size_t n) {
+  while (n > 0) {
+    const ssize_t w = ::write(fd, p, n);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return;  // our stdout is gone (EPIPE): drop the output, keep supervising
+    }
+    p += w;
+    n -= static_cast<size_t>(w);
+  }
+}
+
+std::string signal_name(int sig) {
+  const char* d = ::strsignal(sig);
+  return std::to_string(sig) + " (" + (d ? d : "?") + ")";
+}
+
+// One output stream of one rank: a pipe read end and the partial line not yet written.
+struct Stream {
+  int fd = -1;
+  int out_fd = 1;  // where its lines go (1 or 2)
+  std::string partial;
+  std::string last_line;  // last non-empty line (stderr: for the error message)
+};
+
+struct Rank {
+  pid_t pid = -1;
+  bool running = false;
+  int status = 0;  // waitpid status once reaped
+  double wall_s = 0.0;
+  Stream out, err;
+};
+
+void emit_lines(int rank, Stream& s, const char* data, size_t n, bool flush_partial) {
+  s.partial.append(data, n);
+  const std::string prefix = "[rank " + std::to_string(rank) + "] ";
+  size_t start = 0;
+  std::string buf;
+  for (;;) {
+    const size_t nl = s.partial.find('\n', start);
+    if (nl == std::string::npos) break;
+    const std::string line = s.partial.substr(start, nl - start);
+    buf += prefix + line + "\n";
+    if (!line.empty()) s.last_line = line;
+    start = nl + 1;
+  }
+  s.partial.erase(0, start);
+  // very long lines without a newline are passed on in pieces (64 KiB)
+  if (!s.partial.empty() && (flush_partial || s.partial.size() >= 65536)) {
+    buf += prefix + s.partial + "\n";
+    s.last_line = s.partial;
+    s.partial.clear();
+  }
+  if (!buf.empty()) write_all(s.out_fd, buf.data(), buf.size());
+}
+
+// Reads what is available on s.fd; closes it at EOF. Returns false when closed.
+bool pump(int rank, Stream& s) {
+  if (s.fd < 0) return false;
+  char buf[16384];
+  for (;;) {
+    const ssize_t n = ::read(s.fd, buf, sizeof buf);
+    if (n > 0) {
+      emit_lines(rank, s, buf, static_cast<size_t>(n), false);
+      if (static_cast<size_t>(n) < sizeof buf) return true;
+      continue;
+    }
+    if (n < 0 && (errno == EINTR)) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
+    emit_lines(rank, s, "", 0, true);  // EOF (or error): flush the partial line
+    ::close(s.fd);
+    s.fd = -1;
+    return false;
+  }
+}
+
+bool group_alive(pid_t pgid) { return pgid > 0 && (::kill(-pgid, 0) == 0 || errno == EPERM); }
+
+std::string describe_status(int status) {
+  if (WIFEXITED(status)) return "exited with status " + std::to_string(WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) return "was killed by signal " + signal_name(WTERMSIG(status));
+  return "ended with wait status " + std::to_string(status);
+}
+
+std::string shorten(std::string s, size_t n = 300) {
+  for (char& c : s)
+    if (c == '\r' || c == '\t') c = ' ';
+  if (s.size() > n) s = s.substr(0, n) + "...";
+  return s;
+}
+
+}  // namespace
+
+CLI::App* add_launch_subcommand(CLI::App& app, LaunchOptions& o) {
+  auto* l = app.add_subcommand("launch",
+                               "Start W processes of a command, one per rank (and GPU) of a TP group on this host, "
+                               "with INDEXCP_RANK / INDEXCP_WORLD / INDEXCP_DEVICE / INDEXCP_RENDEZVOUS set");
+  l->add_option("--tp", o.tp, "number of ranks W (processes), 1..64")->required()->check(CLI::Range(1, 64));
+  l->add_option("--timeout", o.timeout_s,
+                "seconds; exported to the ranks as INDEXCP_NCCL_TIMEOUT_S, the bound of their rendezvous and "
+                "NCCL waits (default: inherited, else 60)")
+      ->check(CLI::Range(1e-3, 604800.0));
+  l->add_option("--grace", o.grace_s, "seconds between SIGTERM and SIGKILL when the ranks are stopped")
+      ->check(CLI::Range(0.0, 3600.0))
+      ->capture_default_str();
+  l->add_option("--time-limit", o.time_limit_s, "stop every rank after this many seconds (0: no limit)")
+      ->check(CLI::Range(0.0, 604800.0))
+      ->capture_default_str();
+  l->add_option("--report", o.report_path,
+                "write the merged JSON report (launcher status + each rank's $INDEXCP_REPORT_DIR/rank<r>.json) to FILE");
+  l->add_option("command", o.command, "the command each rank runs, after --")->required();
+  l->footer(
+      "Example: indexcp launch --tp 2 --timeout 30 -- build/tests/test_nccl. Each rank's output lines are prefixed "
+      "\"[rank r] \". When a rank fails (non-zero status or a signal), the others get SIGTERM, then SIGKILL after "
+      "--grace seconds, and the launcher exits with that rank's status (1 for a signal) and one line naming it. "
+      "A rank may write a JSON report to $INDEXCP_REPORT_DIR/rank<r>.json: the launcher merges them.");
+  return l;
+}
+
+int launch_command(const LaunchOptions& o) {
+  require(o.tp >= 1 && o.tp <= 64, "--tp = " + std::to_string(o.tp) + " must be in 1..64");
+  require(!o.command.empty(), "launch: no command given (indexcp launch --tp W -- COMMAND [ARGS...])");
+  if (!o.report_path.empty()) check_output_path(o.report_path, "--report");
+  const int W = o.tp;
+
+  // fresh directories for this launch
+  const std::string root = make_unique_dir("indexcp-launch-");
+  struct Cleanup {
+    std::string dir;
+    ~Cleanup() {
+      std::error_code ec;
+      fs::remove_all(dir, ec);
+    }
+  } cleanup{root};
+  const std::string rdv = root + "/rendezvous", reports = root + "/reports";
+  if (::mkdir(rdv.c_str(), 0700) != 0 || ::mkdir(reports.c_str(), 0700) != 0)
+    throw Error(ErrorCode::kIo, "launch: cannot create directories in \"" + root + "\": " + std::strerror(errno));
+  const std::string run_id = make_run_id();
+
+  // signals: remember them, stop the ranks, exit 128 + signal
+  struct sigaction sa{};
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = 0;  // no SA_RESTART: poll() returns EINTR
+  struct sigaction old_int{}, old_term{}, old_hup{}, old_pipe{};
+  ::sigaction(SIGINT, &sa, &old_int);
+  ::sigaction(SIGTERM, &sa, &old_term);
+  ::sigaction(SIGHUP, &sa, &old_hup);
+  struct sigaction ign{};
+  ign.sa_handler = SIG_IGN;
+  sigemptyset(&ign.sa_mask);
+  ::sigaction(SIGPIPE, &ign, &old_pipe);
+  struct RestoreSignals {
+    struct sigaction i, t, h, p;
+    ~RestoreSignals() {
+      ::sigaction(SIGINT, &i, nullptr);
+      ::sigaction(SIGTERM, &t, nullptr);
+      ::sigaction(SIGHUP, &h, nullptr);
+      ::sigaction(SIGPIPE, &p, nullptr);
+    }
+  } restore{old_int, old_term, old_hup, old_pipe};
+  g_signal = 0;
+
+  std::vector<char*> argv;
+  for (const auto& a : o.command) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+
+  std::vector<Rank> ranks(static_cast<size_t>(W));
+  const auto t0 = Clock::now();
+  std::string exec_error;
+
+  // the environment every rank shares (set in this process before each fork: children inherit it)
+  ::setenv("INDEXCP_WORLD", std::to_string(W).c_str(), 1);
+  ::setenv("INDEXCP_RENDEZVOUS", rdv.c_str(), 1);
+  ::setenv("INDEXCP_RUN_ID", run_id.c_str(), 1);
+  ::setenv("INDEXCP_REPORT_DIR", reports.c_str(), 1);
+  if (o.timeout_s > 0) ::setenv("INDEXCP_NCCL_TIMEOUT_S", seconds(o.timeout_s).c_str(), 1);
+
+  for (int r = 0; r < W && exec_error.empty(); ++r) {
+    int out[2], err[2], ex[2];
+    if (::pipe2(out, O_CLOEXEC) != 0 || ::pipe2(err, O_CLOEXEC) != 0 || ::pipe2(ex, O_CLOEXEC) != 0)
+      throw Error(ErrorCode::kRuntime, std::string("launch: pipe failed: ") + std::strerror(errno));
+    ::setenv("INDEXCP_RANK", std::to_string(r).c_str(), 1);
+    ::setenv("INDEXCP_DEVICE", std::to_string(r).c_str(), 1);
+    std::fflush(stdout);
+    std::fflush(stderr);
+    const pid_t pid = ::fork();
+    if (pid < 0) throw Error(ErrorCode::kRuntime, std::string("launch: fork failed: ") + std::strerror(errno));
+    if (pid == 0) {
+      // child: async-signal-safe calls only
+      ::setpgid(0, 0);
+      struct sigaction dfl{};
+      dfl.sa_handler = SIG_DFL;
+      sigemptyset(&dfl.sa_mask);
+      ::sigaction(SIGPIPE, &dfl, nullptr);
+      ::sigaction(SIGINT, &dfl, nullptr);
+      ::sigaction(SIGTERM, &dfl, nullptr);
+      ::sigaction(SIGHUP, &dfl, nullptr);
+      const int devnull = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+      if (devnull >= 0) ::dup2(devnull, 0);
+      ::dup2(out[1], 1);
+      ::dup2(err[1], 2);
+      ::execvp(argv[0], argv.data());
+      const int e = errno;
+      ssize_t ignored = ::write(ex[1], &e, sizeof e);
+      (void)ignored;
+      ::_exit(127);
+    }
+    ::setpgid(pid, pid);  // also here: no race with the kill below
+    ::close(out[1]);
+    ::close(err[1]);
+    ::close(ex[1]);
+    int e = 0;
+    ssize_t n;
+    do n = ::read(ex[0], &e, sizeof e);
+    while (n < 0 && errno == EINTR);
+    ::close(ex[0]);
+    Rank& rk = ranks[static_cast<size_t>(r)];
+    rk.pid = pid;
+    rk.running = true;
+    rk.out.fd = out[0];
+    rk.out.out_fd = 1;
+    rk.err.fd = err[0];
+    rk.err.out_fd = 2;
+    ::fcntl(out[0], F_SETFL, ::fcntl(out[0], F_GETFL) | O_NONBLOCK);
+    ::fcntl(err[0], F_SETFL, ::fcntl(err[0], F_GETFL) | O_NONBLOCK);
+    if (n == static_cast<ssize_t>(sizeof e))
+      exec_error = "cannot execute \"" + o.command[0] + "\": " + std::strerror(e);
+  }
+
+  // supervise
+  int failed = -1;                // first failed rank
+  std::string stop_reason;        // why the ranks were stopped ("" while they run freely)
+  int exit_code = 0;
+  double term_at = -1.0;          // when SIGTERM went out
+  bool killed = false;
+  double all_reaped_at = -1.0;
+  auto stop_all = [&](const std::string& why, int code) {
+    if (!stop_reason.empty()) return;
+    stop_reason = why;
+    exit_code = code;
+    term_at = since(t0);
+    for (auto& rk : ranks)
+      if (rk.pid > 0 && group_alive(rk.pid)) ::kill(-rk.pid, SIGTERM);
+  };
+  if (!exec_error.empty()) stop_all(exec_error, 2);
+
+  for (;;) {
+    // reap
+    for (;;) {
+      int st = 0;
+      const pid_t p = ::waitpid(-1, &st, WNOHANG);
+      if (p <= 0) break;
+      for (size_t r = 0; r < ranks.size(); ++r) {
+        Rank& rk = ranks[r];
+        if (rk.pid != p || !rk.running) continue;
+        rk.running = false;
+        rk.status = st;
+        rk.wall_s = since(t0);
+        const bool ok = WIFEXITED(st) && WEXITSTATUS(st) == 0;
+        if (!ok && stop_reason.empty()) {
+          failed = static_cast<int>(r);
+          const int code = WIFEXITED(st) ? WEXITSTATUS(st) : 1;
+          stop_all("rank " + std::to_string(r) + " of " + std::to_string(W) + " " + describe_status(st), code);
+        }
+      }
+    }
+    const bool any_running = std::any_of(ranks.begin(), ranks.end(), [](const Rank& rk) { return rk.running; });
+    if (!any_running && all_reaped_at < 0) all_reaped_at = since(t0);
+    if (g_signal != 0) {
+      const int sig = g_signal;
+      stop_all("interrupted by signal " + signal_name(sig) + "; the ranks were stopped", 128 + sig);
+    }
+    if (o.time_limit_s > 0 && since(t0) >= o.time_limit_s && any_running)
+      stop_all("the time limit of " + seconds(o.time_limit_s) + " s passed; the ranks were stopped", 1);
+    if (term_at >= 0 && !killed && since(t0) >= term_at + o.grace_s) {
+      killed = true;
+      for (auto& rk : ranks)
+        if (rk.pid > 0 && group_alive(rk.pid)) ::kill(-rk.pid, SIGKILL);
+    }
+    // output
+    std::vector<pollfd> fds;
+    std::vector<Stream*> owners;
+    std::vector<int> owner_rank;
+    for (size_t r = 0; r < ranks.size(); ++r)
+      for (Stream* s : {&ranks[r].out, &ranks[r].err})
+        if (s->fd >= 0) {
+          fds.push_back({s->fd, POLLIN, 0});
+          owners.push_back(s);
+          owner_rank.push_back(static_cast<int>(r));
+        }
+    // done: every rank reaped and every pipe at EOF, or 1 s after the last exit (a leftover
+    // background process may hold a pipe open)
+    if (!any_running && (fds.empty() || since(t0) >= all_reaped_at + 1.0)) break;
+    if (fds.empty()) {
+      ::usleep(20000);
+      continue;
+    }
+    const int n = ::poll(fds.data(), fds.size(), 20);
+    if (n > 0)
+      for (size_t i = 0; i < fds.size(); ++i)
+        if (fds[i].revents & (POLLIN | POLLHUP | POLLERR)) pump(owner_rank[i], *owners[i]);
+  }
+  for (size_t r = 0; r < ranks.size(); ++r)
+    for (Stream* s : {&ranks[r].out, &ranks[r].err})
+      if (s->fd >= 0) {
+        pump(static_cast<int>(r), *s);
+        if (s->fd >= 0) {
+          emit_lines(static_cast<int>(r), *s, "", 0, true);
+          ::close(s->fd);
+          s->fd = -1;
+        }
+      }
+  if (!stop_reason.empty())  // what a failed rank left running in its process group
+    for (auto& rk : ranks)
+      if (rk.pid > 0 && group_alive(rk.pid)) ::kill(-rk.pid, SIGKILL);
+  const double wall = since(t0);
+
+  // the merged report
+  json launcher = {{"world", W},
+                   {"command", o.command},
+                   {"ok", stop_reason.empty()},
+                   {"error", stop_reason.empty() ? json(nullptr) : json(stop_reason)},
+                   {"failed_rank", failed >= 0 ? json(failed) : json(nullptr)},
+                   {"wall_s", wall}};
+  json per = json::array(), reps = json::array();
+  bool any_report = false;
+  for (int r = 0; r < W; ++r) {
+    const Rank& rk = ranks[static_cast<size_t>(r)];
+    json e = {{"rank", r}, {"wall_s", rk.wall_s}};
+    if (rk.pid < 0) e["started"] = false;
+    else if (WIFEXITED(rk.status)) e["exit_status"] = WEXITSTATUS(rk.status);
+    else if (WIFSIGNALED(rk.status)) e["signal"] = WTERMSIG(rk.status);
+    per.push_back(e);
+    const std::string file = reports + "/rank" + std::to_string(r) + ".json";
+    std::ifstream in(file, std::ios::binary);
+    if (!in) {
+      reps.push_back(nullptr);
+      continue;
+    }
+    any_report = true;
+    std::stringstream ss;
+    ss << in.rdbuf();
+    try {
+      reps.push_back(json::parse(ss.str()));
+    } catch (const json::exception& ex) {
+      reps.push_back(json{{"error", "rank" + std::to_string(r) + ".json is not valid JSON: " + std::string(ex.what())}});
+    }
+  }
+  launcher["ranks"] = per;
+  const json merged = {{"launcher", launcher}, {"ranks", reps}};
+  if (!o.report_path.empty()) write_file_atomic(o.report_path, merged.dump(2) + "\n");
+  else if (any_report) std::cout << merged.dump(2) << std::endl;
+
+  if (stop_reason.empty()) return 0;
+  std::string msg = "launch: " + stop_reason;
+  if (failed >= 0) {
+    const std::string& last = ranks[static_cast<size_t>(failed)].err.last_line;
+    if (!last.empty()) msg += "; its last line on stderr: " + shorten(last);
+    const int others = static_cast<int>(std::count_if(ranks.begin(), ranks.end(), [&](const Rank& rk) {
+      return &rk != &ranks[static_cast<size_t>(failed)] && rk.pid > 0 && !(WIFEXITED(rk.status) && WEXITSTATUS(rk.status) == 0);
+    }));
+    if (others > 0) msg += " (the other ranks were stopped)";
+  }
+  std::cout.flush();
+  std::cerr << "indexcp: error: " << msg << std::endl;
+  return exit_code == 0 ? 1 : exit_code;
+}
+
+}  // namespace indexcp::cli

@@ -1,0 +1,247 @@
+// `indexcp launch` on the CPU with ordinary child commands: the environment of each rank, output
+// prefixes, a failing rank stopping the others quickly (SIGTERM, then SIGKILL after --grace), a
+// rank killed by a signal, the time limit, an interrupted launcher, merged reports, usage errors.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "cli_util.hpp"
+
+namespace fs = std::filesystem;
+using cliutil::Result;
+using cliutil::run_cli;
+using cliutil::slurp;
+
+namespace {
+
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    std::string t = (fs::temp_directory_path() / "indexcp-test-launch-XXXXXX").string();
+    path = ::mkdtemp(t.data());
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+};
+
+struct Timed {
+  Result r;
+  double seconds = 0;
+};
+
+Timed launch(const std::string& args, const fs::path& dir) {
+  const auto t0 = std::chrono::steady_clock::now();
+  Timed t;
+  t.r = run_cli("launch " + args, dir);
+  t.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return t;
+}
+
+// The last non-empty line of a text.
+std::string last_line(const std::string& s) {
+  std::istringstream in(s);
+  std::string line, last;
+  while (std::getline(in, line))
+    if (!line.empty()) last = line;
+  return last;
+}
+
+bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+}  // namespace
+
+TEST(Launch, EveryRankSeesItsEnvironment) {
+  TempDir d;
+  ::setenv("CUDA_VISIBLE_DEVICES", "7,5", 1);  // left alone by the launcher
+  const auto t = launch(
+      "--tp 3 -- sh -c 'echo \"rank=$INDEXCP_RANK world=$INDEXCP_WORLD device=$INDEXCP_DEVICE "
+      "cvd=$CUDA_VISIBLE_DEVICES\"; echo \"rdv=$INDEXCP_RENDEZVOUS run=$INDEXCP_RUN_ID\"; "
+      "test -d \"$INDEXCP_RENDEZVOUS\" && test -d \"$INDEXCP_REPORT_DIR\" && echo on-stderr >&2'",
+      d.path);
+  ::unsetenv("CUDA_VISIBLE_DEVICES");
+  ASSERT_EQ(t.r.status, 0) << t.r.err;
+  std::string rdv_line;
+  for (int r = 0; r < 3; ++r) {
+    const std::string p = "[rank " + std::to_string(r) + "] ";
+    EXPECT_TRUE(contains(t.r.out, p + "rank=" + std::to_string(r) + " world=3 device=" + std::to_string(r) +
+                                      " cvd=7,5\n"))
+        << t.r.out;
+    EXPECT_TRUE(contains(t.r.err, p + "on-stderr\n")) << t.r.err;
+    // every rank has the same rendezvous directory and run id
+    const size_t at = t.r.out.find(p + "rdv=");
+    ASSERT_NE(at, std::string::npos) << t.r.out;
+    const std::string line = t.r.out.substr(at + p.size(), t.r.out.find('\n', at) - at - p.size());
+    if (r == 0) rdv_line = line;
+    EXPECT_EQ(line, rdv_line);
+  }
+  // "rdv=DIR run=ID": a fresh directory with a run id, removed after the launch
+  const std::string dir = rdv_line.substr(4, rdv_line.find(' ') - 4);
+  EXPECT_TRUE(contains(rdv_line, " run=") && rdv_line.size() > rdv_line.find(" run=") + 5) << rdv_line;
+  EXPECT_FALSE(dir.empty());
+  EXPECT_FALSE(fs::exists(dir)) << dir << " was not removed";
+}
+
+TEST(Launch, FailingRankGivesItsStatusAndOneLine) {
+  TempDir d;
+  const auto t = launch("--tp 2 -- sh -c 'exit 3'", d.path);
+  EXPECT_EQ(t.r.status, 3);
+  const std::string l = last_line(t.r.err);
+  EXPECT_EQ(l.rfind("indexcp: error: launch: rank ", 0), 0u) << t.r.err;
+  EXPECT_TRUE(contains(l, "of 2 exited with status 3")) << l;
+}
+
+TEST(Launch, AFailureStopsTheOtherRanksQuickly) {
+  TempDir d;
+  // rank 1 fails after a moment; rank 0 would sleep for 1000 s
+  const auto t = launch(
+      "--tp 2 --grace 5 -- sh -c 'if [ \"$INDEXCP_RANK\" = 1 ]; then sleep 0.2; echo \"going down\" >&2; exit 4; "
+      "fi; echo waiting; sleep 1000'",
+      d.path);
+  EXPECT_EQ(t.r.status, 4) << t.r.err;
+  EXPECT_LT(t.seconds, 10.0);
+  EXPECT_TRUE(contains(t.r.out, "[rank 0] waiting\n")) << t.r.out;
+  EXPECT_EQ(last_line(t.r.err),
+            "indexcp: error: launch: rank 1 of 2 exited with status 4; its last line on stderr: going down "
+            "(the other ranks were stopped)");
+}
+
+TEST(Launch, RankIgnoringSigtermIsKilledAfterTheGrace) {
+  TempDir d;
+  const auto t = launch(
+      "--tp 2 --grace 1 -- sh -c 'if [ \"$INDEXCP_RANK\" = 1 ]; then sleep 0.3; exit 5; fi; "
+      "trap \"\" TERM; sleep 1000'",
+      d.path);
+  EXPECT_EQ(t.r.status, 5) << t.r.err;
+  EXPECT_GE(t.seconds, 1.0);
+  EXPECT_LT(t.seconds, 10.0);
+  EXPECT_TRUE(contains(last_line(t.r.err), "rank 1 of 2 exited with status 5")) << t.r.err;
+}
+
+TEST(Launch, RankKilledBySignal) {
+  TempDir d;
+  const auto t = launch("--tp 2 -- sh -c 'if [ \"$INDEXCP_RANK\" = 1 ]; then kill -KILL $$; fi; sleep 1000'", d.path);
+  EXPECT_EQ(t.r.status, 1);
+  EXPECT_LT(t.seconds, 10.0);
+  EXPECT_TRUE(contains(last_line(t.r.err), "rank 1 of 2 was killed by signal 9")) << t.r.err;
+}
+
+TEST(Launch, TimeLimitStopsEveryRank) {
+  TempDir d;
+  const auto t = launch("--tp 2 --time-limit 0.5 --grace 1 -- sleep 1000", d.path);
+  EXPECT_EQ(t.r.status, 1);
+  EXPECT_LT(t.seconds, 10.0);
+  EXPECT_TRUE(contains(last_line(t.r.err), "the time limit of 0.5 s passed")) << t.r.err;
+}
+
+TEST(Launch, TimeoutIsExportedToTheRanks) {
+  TempDir d;
+  auto t = launch("--tp 1 --timeout 7.5 -- sh -c 'echo \"t=$INDEXCP_NCCL_TIMEOUT_S\"'", d.path);
+  EXPECT_EQ(t.r.status, 0) << t.r.err;
+  EXPECT_EQ(t.r.out, "[rank 0] t=7.5\n");
+  ::setenv("INDEXCP_NCCL_TIMEOUT_S", "9", 1);  // without --timeout the ranks inherit it
+  t = launch("--tp 1 -- sh -c 'echo \"t=$INDEXCP_NCCL_TIMEOUT_S\"'", d.path);
+  ::unsetenv("INDEXCP_NCCL_TIMEOUT_S");
+  EXPECT_EQ(t.r.out, "[rank 0] t=9\n");
+}
+
+TEST(Launch, PartialLastLineIsPrefixed) {
+  TempDir d;
+  const auto t = launch("--tp 2 -- sh -c 'printf \"no newline\"; printf \"a\\nb\" >&2'", d.path);
+  EXPECT_EQ(t.r.status, 0) << t.r.err;
+  EXPECT_TRUE(contains(t.r.out, "[rank 0] no newline\n") && contains(t.r.out, "[rank 1] no newline\n")) << t.r.out;
+  EXPECT_TRUE(contains(t.r.err, "[rank 1] a\n[rank 1] b\n") || contains(t.r.err, "[rank 1] a\n")) << t.r.err;
+}
+
+TEST(Launch, ReportsAreMerged) {
+  TempDir d;
+  const fs::path rep = d.path / "merged.json";
+  const std::string cmd =
+      "sh -c 'printf \"{\\\"rank\\\": %s, \\\"value\\\": %s}\" $INDEXCP_RANK $((INDEXCP_RANK * 10)) > "
+      "\"$INDEXCP_REPORT_DIR/rank$INDEXCP_RANK.json\"'";
+  auto t = launch("--tp 3 --report '" + rep.string() + "' -- " + cmd, d.path);
+  ASSERT_EQ(t.r.status, 0) << t.r.err;
+  EXPECT_EQ(t.r.out, "");  // written to the file, not printed
+  const auto j = nlohmann::json::parse(slurp(rep));
+  EXPECT_EQ(j["launcher"]["world"], 3);
+  EXPECT_EQ(j["launcher"]["ok"], true);
+  EXPECT_TRUE(j["launcher"]["error"].is_null());
+  ASSERT_EQ(j["ranks"].size(), 3u);
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(j["ranks"][r]["rank"], r);
+    EXPECT_EQ(j["ranks"][r]["value"], r * 10);
+    EXPECT_EQ(j["launcher"]["ranks"][r]["exit_status"], 0);
+  }
+  // without --report the merged report is printed on stdout (ranks that wrote none give null;
+  // invalid JSON is reported as such)
+  t = launch("--tp 3 -- sh -c 'if [ $INDEXCP_RANK = 1 ]; then echo \"{oops\" > \"$INDEXCP_REPORT_DIR/rank1.json\"; "
+             "elif [ $INDEXCP_RANK = 2 ]; then echo \"{\\\"x\\\": 1}\" > \"$INDEXCP_REPORT_DIR/rank2.json\"; fi'",
+             d.path);
+  ASSERT_EQ(t.r.status, 0) << t.r.err;
+  const auto k = nlohmann::json::parse(t.r.out);
+  EXPECT_TRUE(k["ranks"][0].is_null());
+  EXPECT_TRUE(contains(k["ranks"][1]["error"].get<std::string>(), "rank1.json is not valid JSON"));
+  EXPECT_EQ(k["ranks"][2]["x"], 1);
+  // a failed launch still writes the report, naming the failed rank
+  t = launch("--tp 2 --report '" + rep.string() + "' -- sh -c 'exit $((INDEXCP_RANK * 6))'", d.path);
+  EXPECT_EQ(t.r.status, 6);
+  const auto f = nlohmann::json::parse(slurp(rep));
+  EXPECT_EQ(f["launcher"]["ok"], false);
+  EXPECT_EQ(f["launcher"]["failed_rank"], 1);
+  EXPECT_EQ(f["launcher"]["ranks"][1]["exit_status"], 6);
+  EXPECT_TRUE(contains(f["launcher"]["error"].get<std::string>(), "rank 1 of 2 exited with status 6"));
+}
+
+TEST(Launch, InterruptedLauncherStopsItsRanks) {
+  TempDir d;
+  const fs::path pids = d.path / "pids";
+  fs::create_directory(pids);
+  // the launcher in the background; each rank records its pid, then sleeps
+  const std::string script = "'" + std::string(INDEXCP_CLI_PATH) +
+                             "' launch --tp 2 --grace 1 -- sh -c 'echo $$ > \"" + pids.string() +
+                             "/$INDEXCP_RANK\"; exec sleep 1000' >/dev/null 2>'" + (d.path / "err").string() +
+                             "' & L=$!; for i in $(seq 100); do [ -s '" + pids.string() + "/0' ] && [ -s '" +
+                             pids.string() + "/1' ] && break; sleep 0.05; done; kill -TERM $L; wait $L; echo $? > '" +
+                             (d.path / "status").string() + "'";
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_EQ(std::system(script.c_str()), 0);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 15.0);
+  EXPECT_EQ(std::stoi(slurp(d.path / "status")), 128 + SIGTERM);
+  EXPECT_TRUE(contains(slurp(d.path / "err"), "interrupted by signal 15")) << slurp(d.path / "err");
+  for (int r = 0; r < 2; ++r) {
+    const pid_t p = std::stoi(slurp(pids / std::to_string(r)));
+    EXPECT_NE(::kill(p, 0), 0) << "rank " << r << " (pid " << p << ") still runs";
+  }
+}
+
+TEST(Launch, UsageErrors) {
+  TempDir d;
+  auto t = launch("--tp 2 -- /no/such/program", d.path);
+  EXPECT_EQ(t.r.status, 2);
+  EXPECT_EQ(last_line(t.r.err), "indexcp: error: launch: cannot execute \"/no/such/program\": No such file or directory");
+  t = launch("--tp 2", d.path);
+  EXPECT_EQ(t.r.status, 2);
+  EXPECT_TRUE(contains(t.r.err, "command is required")) << t.r.err;
+  t = launch("--tp 65 -- true", d.path);
+  EXPECT_EQ(t.r.status, 2);
+  EXPECT_TRUE(contains(t.r.err, "--tp")) << t.r.err;
+  t = launch("-- true", d.path);
+  EXPECT_EQ(t.r.status, 2);
+  EXPECT_TRUE(contains(t.r.err, "--tp")) << t.r.err;
+  t = launch("--tp 1 --report /no/such/dir/r.json -- true", d.path);
+  EXPECT_EQ(t.r.status, 2);
+  EXPECT_TRUE(contains(t.r.err, "--report")) << t.r.err;
+  t = launch("--tp 1 --timeout 0 -- true", d.path);
+  EXPECT_EQ(t.r.status, 2);
+}
