@@ -66,9 +66,10 @@ bool insert(const InsertOptions& o);
 void validate(const InsertOptions& o);
 
 /// `indexcp bench prefill`: the gather prefill of one rank (indexer.md section 5): FP8 staging
-/// (graph), the all-gather (simulated: device-to-device copies), prefill scoring + selection
-/// (events around prefill_select on a replicated cache: TFLOP/s against the FP8 matrix rate) and
-/// the whole budgeted prefill_gather with its reserved transient bytes.
+/// (graph), the all-gather (simulated: device-to-device copies), the prefill scorer alone (graph
+/// of cuda::prefill_scores: TFLOP/s against the FP8 matrix rate), prefill_select end to end
+/// (events around the synchronous call) and the whole budgeted prefill_gather (wall clock, all
+/// ranks) with its reserved transient bytes.
 struct PrefillOptions {
   RunOptions run;
   int requests = 1;

@@ -73,7 +73,7 @@ bool prefill(const PrefillOptions& o) {
   std::printf("device %s: copy bandwidth %.0f GB/s, FP8 matrix rate %.0f TFLOP/s\n", dev.name().c_str(),
               dev.copy_bandwidth_gbs(), dev.fp8_tflops());
   std::printf("gather prefill, TP%d simulated, P = %d, %d request(s), chunk of %d new tokens, H = %d, NVFP4\n", W, P, B, T, H);
-  Progress prog(static_cast<int>(o.contexts.size()) * 4, o.run.progress);
+  Progress prog(static_cast<int>(o.contexts.size()) * 5, o.run.progress);
   json results = json::array();
   for (const int32_t ctx : o.contexts) {
     const int32_t max_pages = (ctx + P - 1) / P;
@@ -163,26 +163,40 @@ bool prefill(const PrefillOptions& o) {
                   gbs, W * part / 1e6);
       prog.step(cell + " all-gather");
     }
-    {  // 3. prefill scoring + selection of rank 0's heads (replicated cache, E4M3 keys)
+    double flops = 0;  // 2 x 128 per (row, head, historical token)
+    for (int32_t t = 0; t < T; ++t) flops += 2.0 * 128 * nh * ((static_cast<int64_t>(ctx) - T + t) / 128) * 128.0;
+    flops *= B;
+    {  // 3. the prefill scorer alone (graph): TFLOP/s against the FP8 matrix rate
+      const int64_t mb = static_cast<int64_t>(max_pages) * P / 128;
+      Buf<float> scores(static_cast<size_t>(B) * T * nh * mb);
+      Graph g(dev.capture([&] { cuda::prefill_scores(repl, 0, pb, static_cast<int64_t>(B) * T, T, h0, nh, scores.p, sst); }));
+      const Combined c = repeat([&] { return dev.time_graph(g.e, o.run.replays); });
+      const double tf = flops / (c.median * 1e-6) / 1e12;
+      push({{"variant", "prefill_score"}, {"owned_heads", nh}, {"flops", flops}, {"tflops", tf},
+            {"fp8_matrix_fraction", dev.fp8_tflops() > 0 ? tf / dev.fp8_tflops() : 0.0}},
+           c);
+      std::printf("%-8s prefill scorer     %9.1f us  %8.1f TFLOP/s (%4.1f%% of the FP8 matrix rate)\n", cell.c_str(),
+                  c.median, tf, dev.fp8_tflops() > 0 ? 100.0 * tf / dev.fp8_tflops() : 0.0);
+      prog.step(cell + " prefill scorer");
+    }
+    {  // 4. prefill_select end to end: validation (host copy of the batch) + scoring + selection
       const size_t nsel = static_cast<size_t>(B) * T * nh * 16;
       Buf<int32_t> out(nsel);
       SelectionParams sel;
       const Combined c = repeat([&] {
         return dev.time_eager([&] { cuda::prefill_select(repl, 0, pb, h0, nh, sel, out.p, sst); }, o.run.replays);
       });
-      double flops = 0;  // 2 x 128 per (row, head, historical token)
-      for (int32_t t = 0; t < T; ++t) flops += 2.0 * 128 * nh * ((static_cast<int64_t>(ctx) - T + t) / 128) * 128.0;
-      flops *= B;
       const double tf = flops / (c.median * 1e-6) / 1e12;
       push({{"variant", "prefill_score_select"}, {"owned_heads", nh}, {"flops", flops}, {"tflops", tf},
             {"fp8_matrix_fraction", dev.fp8_tflops() > 0 ? tf / dev.fp8_tflops() : 0.0},
-            {"note", "events around cuda::prefill_select (host validation of the batch included)"}},
+            {"note", "events around the synchronous cuda::prefill_select: the host copy and validation of the batch "
+                     "(q included) and the selection count too"}},
            c);
-      std::printf("%-8s score + select     %9.1f us  %8.1f TFLOP/s (%4.1f%% of the FP8 matrix rate)\n", cell.c_str(),
+      std::printf("%-8s prefill_select     %9.1f us  %8.1f TFLOP/s (%4.1f%% of the FP8 matrix rate)\n", cell.c_str(),
                   c.median, tf, dev.fp8_tflops() > 0 ? 100.0 * tf / dev.fp8_tflops() : 0.0);
-      prog.step(cell + " prefill scoring");
+      prog.step(cell + " prefill_select");
     }
-    {  // 4. the whole budgeted gather prefill, all W ranks (host threads), wall clock
+    {  // 5. the whole budgeted gather prefill, all W ranks (host threads), wall clock
       std::vector<GatherStats> gs(static_cast<size_t>(W));
       std::vector<std::unique_ptr<Buf<int32_t>>> outs;
       for (int32_t r = 0; r < W; ++r) outs.push_back(std::make_unique<Buf<int32_t>>(static_cast<size_t>(B) * T * H * 16));

@@ -570,6 +570,39 @@ void prefill_select(const DeviceCache& cache, int32_t layer, const PrefillBatch&
   check(cudaStreamSynchronize(st), "cudaStreamSynchronize (prefill_select)");
 }
 
+void prefill_scores(const DeviceCache& cache, int32_t layer, const PrefillBatch& batch, int64_t rows,
+                    int32_t max_rows_per_request, int32_t h0, int32_t nh, float* out, Stream stream) {
+  check_layer(cache, layer);
+  check_not_bf16(cache);
+  INDEXCP_REQUIRE(cache.layout().shards == 1, "cache is sharded (shards = " + std::to_string(cache.layout().shards) +
+                                                  "); prefill_scores needs a replicated cache");
+  INDEXCP_REQUIRE(batch.heads >= 1 && batch.heads <= 64, "heads = " + std::to_string(batch.heads) + " is out of range 1..64");
+  check_head_range(batch.heads, h0, nh);
+  INDEXCP_REQUIRE(rows >= 0, "rows = " + std::to_string(rows) + " must be >= 0");
+  INDEXCP_REQUIRE(max_rows_per_request >= 1,
+                  "max_rows_per_request = " + std::to_string(max_rows_per_request) + " must be >= 1");
+  if (rows == 0) return;
+  INDEXCP_REQUIRE(out != nullptr && batch.q != nullptr && batch.query_start != nullptr && batch.seq_lens != nullptr &&
+                      batch.block_table != nullptr,
+                  "out or a batch pointer is null");
+  ScoreLaunch sl;
+  sl.keys = key_source(cache, layer);
+  sl.mode = KRounding::kE4m3;  // prefill always scores E4M3 keys (indexer.md section 2)
+  sl.stock = true;
+  sl.rows = prefill_rows_view(batch, rows);
+  sl.block_table = batch.block_table;
+  sl.max_pages = batch.max_pages;
+  sl.max_rows_per_request = max_rows_per_request;
+  sl.q = batch.q;
+  sl.heads = batch.heads;
+  sl.h0 = h0;
+  sl.nh = nh;
+  sl.scores = out;
+  sl.max_blocks = max_blocks_of(batch.max_pages, cache.layout());
+  launch_fill_neg_inf(out, rows * nh * sl.max_blocks, cs(stream));
+  launch_score(sl, cs(stream));
+}
+
 void icp_decode(Communicator& comm, const DeviceCache& shard, int32_t layer, const DecodeBatch& batch,
                 const SelectionParams& sel, KRounding mode, int32_t* out, Stream stream, bool validate,
                 bool p256_stock) {

@@ -297,3 +297,76 @@ TEST(GpuTpIndexer, EqualsCpuOnEveryPath) {
     EXPECT_EQ(gm, cm);
   }
 }
+
+// prefill_scores (the capturable scorer of prefill): on exact data its block scores equal the
+// CPU's score_blocks bit for bit (E4M3 keys), -Inf where no score exists, eagerly and replayed
+// from a CUDA graph; refusals name the argument.
+TEST(GpuPrefill, PrefillScoresEqualCpuAndReplayFromAGraph) {
+  REQUIRE_GPU();
+  for (KvDtype dt : {KvDtype::kNvfp4, KvDtype::kFp8})
+    for (int32_t P : {128, 256}) {
+      auto s = prefill_scene(P, 57u + P, true);
+      auto host = make_shards(dt, s.req, 1, s.keys, s.slots);
+      auto dev = device_shards(dt, s.req, 1, s.keys, s.slots);
+      DevPrefill d(s);
+      const PrefillBatch hb = host_prefill(s);
+      const auto rows = prefill_rows(hb, s.req.num_pages, P);
+      const int32_t h0 = 1, nh = 2;
+      const BlockScores ref = score_blocks(host[0], 0, rows, s.req.block_table.data(), s.req.max_pages, s.q.data(),
+                                           s.heads, h0, nh, KRounding::kE4m3);
+      int32_t max_rows = 1;
+      for (size_t b = 0; b + 1 < s.qs.size(); ++b) max_rows = std::max(max_rows, s.qs[b + 1] - s.qs[b]);
+      const int64_t nrows = s.qs.back();
+      DevArr<float> out(static_cast<size_t>(nrows) * nh * ref.max_blocks);
+      out.fill_bytes(0x7f);
+      cuda::prefill_scores(dev[0], 0, d.b, nrows, max_rows, h0, nh, out.get(), nullptr);
+      CUDA_OK(cudaDeviceSynchronize());
+      const auto g = out.host();
+      ASSERT_EQ(g.size(), ref.score.size());
+      int64_t valid = 0;
+      for (size_t i = 0; i < g.size(); ++i) {
+        if (ref.valid[i]) {
+          ++valid;
+          ASSERT_EQ(g[i], ref.score[i]) << to_string(dt) << " P" << P << " entry " << i;
+        } else {
+          ASSERT_TRUE(std::isinf(g[i]) && g[i] < 0) << to_string(dt) << " P" << P << " entry " << i << " = " << g[i];
+        }
+      }
+      EXPECT_GT(valid, 1000);
+      // the same from a CUDA graph, after the output was overwritten
+      cudaStream_t st;
+      CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+      cudaGraph_t graph;
+      cudaGraphExec_t exec;
+      CUDA_OK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+      cuda::prefill_scores(dev[0], 0, d.b, nrows, max_rows, h0, nh, out.get(), reinterpret_cast<cuda::Stream>(st));
+      CUDA_OK(cudaStreamEndCapture(st, &graph));
+      CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+      out.fill_bytes(0);
+      CUDA_OK(cudaDeviceSynchronize());
+      CUDA_OK(cudaGraphLaunch(exec, st));
+      CUDA_OK(cudaStreamSynchronize(st));
+      EXPECT_EQ(out.host(), g) << "graph replay differs from the eager call";
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(graph);
+      cudaStreamDestroy(st);
+    }
+  auto s = prefill_scene(128, 5, true);
+  auto dev = device_shards(KvDtype::kNvfp4, s.req, 1, s.keys, s.slots);
+  auto shards = device_shards(KvDtype::kNvfp4, s.req, 2, s.keys, s.slots);
+  DevPrefill d(s);
+  DevArr<float> out(1 << 20);
+  auto expect_msg = [](auto&& fn, const std::string& needle) {
+    try {
+      fn();
+      ADD_FAILURE() << "no error; expected one naming " << needle;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  expect_msg([&] { cuda::prefill_scores(shards[0], 0, d.b, 10, 1, 0, 4, out.get(), nullptr); }, "sharded");
+  expect_msg([&] { cuda::prefill_scores(dev[0], 0, d.b, -1, 1, 0, 4, out.get(), nullptr); }, "rows");
+  expect_msg([&] { cuda::prefill_scores(dev[0], 0, d.b, 10, 0, 0, 4, out.get(), nullptr); }, "max_rows_per_request");
+  expect_msg([&] { cuda::prefill_scores(dev[0], 0, d.b, 10, 1, 3, 2, out.get(), nullptr); }, "h");
+  expect_msg([&] { cuda::prefill_scores(dev[0], 3, d.b, 10, 1, 0, 4, out.get(), nullptr); }, "layer");
+}

@@ -485,7 +485,11 @@ TEST(NcclSingle, StreamThatNeverCompletesTimesOutAndAborts) {
     EXPECT_EQ(e.code(), ErrorCode::kRuntime);
     EXPECT_TRUE(contains(e.what(), "did not complete within 1 s")) << e.what();
   }
-  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 2.9);
+  // The message above proves the timeout fired while the stream was still busy (at 1 s, before
+  // the 3 s hold ended). The call itself may return only after the hold: ncclCommAbort waits for
+  // work on the device that it cannot cancel (a host function here; a real collective blocked on
+  // a dead peer is released by the abort). Measured on the H200: 3.0 s.
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 10.0);
   EXPECT_TRUE(comm->aborted());
   DevArr<uint8_t> a(8), b(8);
   EXPECT_THROW(comm->all_gather(a.get(), b.get(), 8, st), Error);
