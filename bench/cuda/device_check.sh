@@ -2,7 +2,8 @@
 # Build, test, sanitize and benchmark the CUDA backend on a machine with a GPU, in one go; logs
 # and records under $OUT (records packed into $OUT/records.tar, since few files come back).
 #   OUT=/tmp/out bash bench/cuda/device_check.sh [phases...]
-# phases (default: build test bench): build | test | sanitize | bench | quickbench
+# phases (default: build test bench): build | test | sanitize | sanitize-all | bench | quickbench
+#   sanitize      memcheck of a subset (quick); sanitize-all: all four tools over the GPU suite
 #   bench       the full suite: indexcp bench decode (+ --dump for the PyTorch baseline), topk,
 #               insert, prefill, step, decode --tp 4; then bench/torch/baseline.py on the dump
 #   quickbench  the same with few replays and small shapes (a smoke test of the commands)
@@ -50,6 +51,41 @@ do_sanitize() {
   log "memcheck rc=$? $(grep -E 'ERROR SUMMARY|PASSED|FAILED' "$OUT/memcheck.log" | tr '\n' ' ')"
 }
 
+# Every compute-sanitizer tool over the whole GPU suite (test_gpu), each tool in 4 gtest shards,
+# all 16 processes at once. Excluded: the tests that fault on purpose (death tests: an illegal
+# address in a child; allocation faults: failing cudaMalloc calls), the determinism test (the same
+# kernels at 13 grid sizes: slow instrumented) and C07 (131,073 pages, too slow
+# instrumented; its code path is the staging kernel, which runs instrumented in GpuStage.*).
+# synccheck excludes score_kernel (the tool overflows its barrier tracking on the scorer's
+# mbarrier rings, docs/sanitizers.md); SYNC_SCORER=1 adds one small synccheck run of the scorer.
+do_sanitize_all() {
+  local bin=$BUILD_DIR/tests/test_gpu pids=() tool i
+  local f='*:-GpuReliabilityDeathTest.*:GpuReliabilityFaults.Allocation*:GpuReliabilityDeterminism.*:GpuCases.C07*'
+  for tool in memcheck initcheck racecheck synccheck; do
+    local extra=""
+    [ "$tool" = synccheck ] && extra="--kernel-name-exclude kns=score_kernel"
+    [ "$tool" = initcheck ] && extra="--track-unused-memory no"
+    for i in 0 1 2 3; do
+      GTEST_TOTAL_SHARDS=4 GTEST_SHARD_INDEX=$i timeout "${SAN_TIMEOUT:-420}" compute-sanitizer --tool $tool $extra \
+        --error-exitcode 9 "$bin" --gtest_filter="$f" --gtest_color=no > "$RES/san-$tool-$i.log" 2>&1 &
+      pids+=($!)
+    done
+  done
+  for p in "${pids[@]}"; do wait "$p"; done
+  for tool in memcheck initcheck racecheck synccheck; do
+    local sum=""
+    for i in 0 1 2 3; do
+      sum+="shard$i: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|^\[  (PASSED|FAILED) \]' "$RES/san-$tool-$i.log" | tr '\n' ' ') "
+    done
+    log "$tool: $sum"
+  done
+  if [ -n "${SYNC_SCORER:-}" ]; then
+    timeout 200 compute-sanitizer --tool synccheck --error-exitcode 9 "$bin" --gtest_filter='GpuDecode.ExactData*' \
+      --gtest_color=no > "$RES/san-synccheck-scorer.log" 2>&1
+    log "synccheck scorer rc=$? $(grep -E 'ERROR SUMMARY|PASSED|FAILED|rror' "$RES/san-synccheck-scorer.log" | head -5 | tr '\n' ' ')"
+  fi
+}
+
 bench() {  # bench NAME ARGS...: one `indexcp bench` run, record into $RES
   local name=$1
   shift
@@ -93,6 +129,7 @@ for ph in $PHASES; do
     build) do_build ;;
     test) do_test ;;
     sanitize) do_sanitize ;;
+    sanitize-all) do_sanitize_all ;;
     bench) do_bench ;;
     quickbench) do_quickbench ;;
   esac
