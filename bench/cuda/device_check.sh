@@ -57,24 +57,26 @@ do_sanitize() {
 # kernels at 13 grid sizes: slow instrumented) and C07 (131,073 pages, too slow
 # instrumented; its code path is the staging kernel, which runs instrumented in GpuStage.*).
 # synccheck excludes score_kernel (the tool overflows its barrier tracking on the scorer's
-# mbarrier rings, docs/sanitizers.md); SYNC_SCORER=1 adds one small synccheck run of the scorer.
+# mbarrier rings in long runs, docs/sanitizers.md); SYNC_SCORER=1 adds one small synccheck run
+# of the scorer. SAN_TOOLS, SAN_SHARDS and SAN_FILTER_FILE (test names, one per line) narrow it.
 do_sanitize_all() {
   local bin=$BUILD_DIR/tests/test_gpu pids=() tool i
   local f='*:-GpuReliabilityDeathTest.*:GpuReliabilityFaults.Allocation*:GpuReliabilityDeterminism.*:GpuCases.C07*'
-  for tool in memcheck initcheck racecheck synccheck; do
+  [ -n "${SAN_FILTER_FILE:-}" ] && f=$(tr '\n' ':' < "$SAN_FILTER_FILE")
+  local tools=${SAN_TOOLS:-memcheck initcheck racecheck synccheck} shards=${SAN_SHARDS:-4}
+  for tool in $tools; do
     local extra=""
     [ "$tool" = synccheck ] && extra="--kernel-name-exclude kns=score_kernel"
-    [ "$tool" = initcheck ] && extra="--track-unused-memory no"
-    for i in 0 1 2 3; do
-      GTEST_TOTAL_SHARDS=4 GTEST_SHARD_INDEX=$i timeout "${SAN_TIMEOUT:-420}" compute-sanitizer --tool $tool $extra \
+    for i in $(seq 0 $((shards - 1))); do
+      GTEST_TOTAL_SHARDS=$shards GTEST_SHARD_INDEX=$i timeout "${SAN_TIMEOUT:-420}" compute-sanitizer --tool $tool $extra \
         --error-exitcode 9 "$bin" --gtest_filter="$f" --gtest_color=no > "$RES/san-$tool-$i.log" 2>&1 &
       pids+=($!)
     done
   done
   for p in "${pids[@]}"; do wait "$p"; done
-  for tool in memcheck initcheck racecheck synccheck; do
+  for tool in $tools; do
     local sum=""
-    for i in 0 1 2 3; do
+    for i in $(seq 0 $((shards - 1))); do
       sum+="shard$i: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|^\[  (PASSED|FAILED) \]' "$RES/san-$tool-$i.log" | tr '\n' ' ') "
     done
     log "$tool: $sum"

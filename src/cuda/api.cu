@@ -697,6 +697,8 @@ GatherStats prefill_gather(Communicator& comm, const DeviceCache& shard, int32_t
   Tmp<uint8_t> gathered(static_cast<size_t>(cap) * W * R * kHeadDim, st);
   Tmp<int32_t> phys(static_cast<size_t>(cap), st);
   Tmp<int32_t> bt_local(static_cast<size_t>(batch.num_requests) * batch.max_pages, st);
+  // the scorer's work plan, one buffer for every chunk (no per-chunk stream-ordered allocation)
+  Tmp<int32_t> plan(static_cast<size_t>(batch.num_requests) + 1, st);
   if (cap > 0) {
     // padding rows of the transient are zero (never scored: only historical blocks are read)
     check(cudaMemsetAsync(staging.get(), 0, static_cast<size_t>(cap) * R * kHeadDim, st), "cudaMemsetAsync");
@@ -735,6 +737,7 @@ GatherStats prefill_gather(Communicator& comm, const DeviceCache& shard, int32_t
     sl.nh = nh;
     sl.scores = scores.get();
     sl.max_blocks = mb;
+    sl.plan = plan.get();
     launch_score(sl, st);
     // host buffers are reused by the next chunk: the copies above read them synchronously
   }
