@@ -535,3 +535,43 @@ TEST(Cli, BenchRefusesBadOptionsAndRunsWhereAGpuIs) {
   }
   fs::remove_all(d);
 }
+
+// `indexcp launch --tp 2 -- indexcp bench decode --tp 2`: TP2 across two processes (one GPU each,
+// NCCL); needs two GPUs, skipped otherwise (counted with nvidia-smi -L).
+TEST(Cli, BenchDecodeAcrossTwoProcesses) {
+  const fs::path d = temp_dir();
+  int gpus = 0;
+  if (cuda_available()) {
+    const std::string cmd = "nvidia-smi -L > '" + (d / "gpus.txt").string() + "' 2>/dev/null";
+    if (std::system(cmd.c_str()) == 0) {
+      const std::string s = slurp(d / "gpus.txt");
+      gpus = static_cast<int>(std::count(s.begin(), s.end(), '\n'));
+    }
+  }
+  if (gpus < 2) {
+    fs::remove_all(d);
+    GTEST_SKIP() << "needs 2 GPUs; " << gpus << " visible";
+  }
+  const Result r = run(std::string("launch --tp 2 --timeout 120 -- '") + INDEXCP_CLI_PATH +
+                           "' bench decode --tp 2 --requests 2 --contexts 2048 --pages 128,256 --replays 3 --repeats 1 "
+                           "-q --out " + q(d / "rec.json"),
+                       d);
+  ASSERT_EQ(r.status, 0) << r.err;
+  const json rec = json::parse(slurp(d / "rec.json"));
+  EXPECT_EQ(rec["processes"], 2);
+  EXPECT_EQ(rec["num_gpus"], 2);
+  int icp = 0, exchange = 0;
+  for (const auto& res : rec["results"]) {
+    EXPECT_TRUE(res["selections_equal_replicated"].get<bool>()) << res.dump();
+    EXPECT_EQ(res["per_rank_median_us"].size(), 2u);
+    icp += res["variant"] == "icp_nccl";
+    if (res["variant"] == "icp_nccl_exchange") {
+      ++exchange;
+      // decode: rows x H x (K-1) x 8 bytes per rank (indexer.md section 5)
+      EXPECT_EQ(res["bytes_sent_per_rank"], 2 * 8 * 4 * 15 * 8);
+    }
+  }
+  EXPECT_EQ(icp, 2);
+  EXPECT_EQ(exchange, 2);
+  fs::remove_all(d);
+}

@@ -7,6 +7,7 @@
 #   bench       the full suite: indexcp bench decode (+ --dump for the PyTorch baseline), topk,
 #               insert, prefill, step, decode --tp 4; then bench/torch/baseline.py on the dump
 #   quickbench  the same with few replays and small shapes (a smoke test of the commands)
+#   bench-multi TP2 / TP4 across 2 / 4 processes (one GPU each, NCCL) where the GPUs exist
 # Environment: INDEXCP_SHARED_DIR (default ./shared), JOBS (16), BUILD_DIR (build-dev),
 #              INDEXCP_GIT_REV (stored in the records), BENCH_ARGS (extra args for every bench).
 set -uo pipefail
@@ -112,6 +113,25 @@ do_bench() {
   log "torch baseline rc=$?"
 }
 
+# Several GPUs (issues 5 and 6): TP W across W processes through NCCL, for W = 2 and 4 where that
+# many GPUs are visible; NVFP4 and FP8; P128 and P256. Records carry "processes": W, "num_gpus": W.
+do_bench_multi() {
+  local d n w dt name
+  d=$(date +%Y-%m-%d)
+  n=$(nvidia-smi -L 2>/dev/null | wc -l)
+  for w in 2 4; do
+    [ "$n" -ge "$w" ] || { log "bench-multi: $n GPU(s), TP$w across processes skipped"; continue; }
+    for dt in nvfp4 fp8; do
+      name="decode-tp$w-${w}proc-$dt-h200-$d"
+      log "bench $name: indexcp launch --tp $w -- indexcp bench decode --tp $w --pages 128,256 --kv-dtype $dt"
+      timeout "${BENCH_TIMEOUT:-300}" "$BUILD_DIR/bin/indexcp" launch --tp "$w" --timeout 300 -- "$BUILD_DIR/bin/indexcp" \
+        bench decode --tp "$w" --pages 128,256 --kv-dtype "$dt" --out "$RES/$name.json" ${BENCH_ARGS:-} \
+        >> "$OUT/bench.log" 2>> "$OUT/bench-progress.log"
+      log "bench $name rc=$?"
+    done
+  done
+}
+
 do_quickbench() {
   BENCH_ARGS="--replays 5 --repeats 1 ${BENCH_ARGS:-}"
   bench quick-decode decode --requests 2 --contexts 4096 --dump /tmp/indexcp-dump
@@ -134,6 +154,7 @@ for ph in $PHASES; do
     sanitize-all) do_sanitize_all ;;
     bench) do_bench ;;
     quickbench) do_quickbench ;;
+    bench-multi) do_bench_multi ;;
   esac
 done
 tar -C "$RES" -cf "$OUT/records.tar" . 2>/dev/null

@@ -35,6 +35,10 @@ struct RunOptions {
 /// all pages + exact top-k), icp_general (all H heads over rank 0's rows + publish + merge),
 /// icp_stock (P = 256, W = 2 only), the scorers alone, and (topk) the selection / publish /
 /// merge kernels alone. Selections of every ICP variant are compared with the replicated ones.
+/// Under `indexcp launch --tp W` (INDEXCP_WORLD = W > 1, `tp` must equal W) decode runs as one
+/// rank of a real group instead: icp_nccl (ICP through the NCCL communicator), icp_nccl_exchange
+/// (the candidates' all-gather alone) and replicated_stock of the rank's heads on its own GPU;
+/// rank 0 writes the record ("processes": W, "num_gpus": W) with every rank's medians.
 struct DecodeOptions {
   RunOptions run;
   std::vector<int> requests{16, 64};

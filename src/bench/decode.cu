@@ -12,7 +12,9 @@
 #include "bench/harness.cuh"
 #include "indexcp/cuda.hpp"
 #include "indexcp/error.hpp"
+#include "indexcp/nccl.hpp"
 #include "indexcp/npy.hpp"
+#include "indexcp/rendezvous.hpp"
 
 namespace indexcp::bench {
 namespace {
@@ -38,7 +40,9 @@ struct Pool {
   std::vector<std::unique_ptr<cuda::DeviceCache>> shards;
 };
 
-std::unique_ptr<Pool> build_pool(KvDtype dt, int32_t P, int32_t W, int32_t max_req, int32_t max_ctx, cudaStream_t st) {
+// only_rank >= 0: build only that rank's shard (shards[0] is then rank only_rank's).
+std::unique_ptr<Pool> build_pool(KvDtype dt, int32_t P, int32_t W, int32_t max_req, int32_t max_ctx, cudaStream_t st,
+                                 int32_t only_rank = -1) {
   auto L = std::make_unique<Pool>();
   L->P = P;
   L->max_pages = (max_ctx + P - 1) / P;
@@ -47,7 +51,8 @@ std::unique_ptr<Pool> build_pool(KvDtype dt, int32_t P, int32_t W, int32_t max_r
   L->bt_dev = std::make_unique<Buf<int32_t>>(L->bt);
   L->repl = std::make_unique<cuda::DeviceCache>(make_page_layout(dt, P, 1), num_pages, 1, 0);
   for (int32_t r = 0; r < W; ++r)
-    L->shards.push_back(std::make_unique<cuda::DeviceCache>(make_page_layout(dt, P, W), num_pages, 1, r));
+    if (only_rank < 0 || r == only_rank)
+      L->shards.push_back(std::make_unique<cuda::DeviceCache>(make_page_layout(dt, P, W), num_pages, 1, r));
   const int64_t total = static_cast<int64_t>(max_req) * max_ctx;
   const int64_t chunk = int64_t{1} << 20;
   Buf<float> keys(static_cast<size_t>(chunk) * 128);
@@ -83,8 +88,11 @@ struct Variant {
 
 }  // namespace
 
+bool decode_processes(const DecodeOptions& o, const RankEnv& env);
+
 bool decode(const DecodeOptions& o) {
   validate(o);
+  if (const auto env = rank_env_from_env(); env && env->world > 1 && !o.topk_only) return decode_processes(o, *env);
   const KvDtype dt = o.kv_dtype == "fp8" ? KvDtype::kFp8 : KvDtype::kNvfp4;
   const KRounding mode = o.k_rounding == "exact" ? KRounding::kExact : KRounding::kE4m3;
   const int32_t W = o.tp, H = o.heads, Q = o.query_len;
@@ -240,6 +248,175 @@ bool decode(const DecodeOptions& o) {
   write_record(rec, o.run);
   bool all_eq = true;
   for (const auto& r : results) all_eq = all_eq && r["selections_equal_replicated"].get<bool>();
+  return all_eq;
+}
+
+// ---------------------------------------------------------------------------------------------
+// One rank of a real multi-process group (under `indexcp launch --tp W`, one GPU per process):
+// ICP decode through the NCCL communicator (score all heads over this rank's rows, publish, NCCL
+// all-gather of the candidates, merge), the all-gather alone (the exchange's share), and the
+// replicated stock path of this rank's heads on the same GPU, all as CUDA graphs with the method
+// of bench.hpp. Every rank checks its ICP selection against the replicated one computed on its
+// own GPU. Rank 0 prints the table and writes the record ("processes": W, "num_gpus": W) with
+// every rank's medians. NOT YET RUN on a machine with two or more GPUs (issue 5).
+
+namespace {
+
+int64_t shard_bytes(const PageLayout& l, int32_t rank, int32_t seq_len) {
+  if (seq_len <= 0) return 0;
+  const int64_t max_local = (static_cast<int64_t>(seq_len) - 1) / kBlockTokens;
+  int64_t bytes = 0;
+  for (int64_t blk = 0; blk < max_local; ++blk) {
+    int64_t lp;
+    int32_t first, count;
+    l.block_rows_on_rank(blk, rank, &lp, &first, &count);
+    bytes += static_cast<int64_t>(count) * (l.page_bytes() / l.rows());
+  }
+  return bytes;
+}
+
+// All ranks' values of `v` (one double per rank), through the communicator.
+std::vector<double> gather_doubles(Communicator& comm, const std::vector<double>& v, cudaStream_t st) {
+  const int W = comm.world();
+  Buf<double> send(v.size()), recv(v.size() * W);
+  ck(cudaMemcpyAsync(send.p, v.data(), v.size() * sizeof(double), cudaMemcpyHostToDevice, st), "cudaMemcpyAsync");
+  comm.all_gather(send.p, recv.p, v.size() * sizeof(double), st);
+  comm.synchronize(st);
+  return recv.host();
+}
+
+}  // namespace
+
+bool decode_processes(const DecodeOptions& o, const RankEnv& env) {
+  INDEXCP_REQUIRE(o.tp == env.world, "--tp = " + std::to_string(o.tp) + " differs from the group's world size (INDEXCP_WORLD = " +
+                                         std::to_string(env.world) + ")");
+  INDEXCP_REQUIRE(o.dump.empty(), "--dump is not supported with several processes");
+  auto comm = nccl::make_communicator(env);  // also makes env.device the current device
+  const KvDtype dt = o.kv_dtype == "fp8" ? KvDtype::kFp8 : KvDtype::kNvfp4;
+  const KRounding mode = o.k_rounding == "exact" ? KRounding::kExact : KRounding::kE4m3;
+  const int32_t W = o.tp, H = o.heads, Q = o.query_len, r = env.rank;
+  const bool lead = r == 0;
+  const int32_t max_req = *std::max_element(o.requests.begin(), o.requests.end());
+  const int32_t max_ctx = *std::max_element(o.contexts.begin(), o.contexts.end());
+  Device dev;
+  const cudaStream_t st = dev.stream();
+  const auto sst = reinterpret_cast<cuda::Stream>(st);
+  int32_t h0, nh;
+  owned_heads(H, W, r, &h0, &nh);
+  if (lead) {
+    std::printf("device %s: copy bandwidth %.0f GB/s (rank 0)\n", dev.name().c_str(), dev.copy_bandwidth_gbs());
+    std::printf("decode indexer: TP%d across %d processes (one GPU each, NCCL %s), Q = %d, H = %d, %s (%s rounding)\n", W,
+                W, nccl::version().c_str(), Q, H, o.kv_dtype.c_str(), o.k_rounding.c_str());
+    std::printf("%-5s %-4s %-7s %-24s %10s %10s %s\n", "P", "reqs", "context", "variant", "rank 0 us", "max rank us",
+                "sel==repl (all ranks)");
+  }
+  Progress prog(static_cast<int>(o.pages.size() * o.requests.size() * o.contexts.size()) * 3, o.run.progress && lead);
+  json results = json::array();
+  bool all_eq = true;
+  for (const int32_t P : o.pages) {
+    auto L = build_pool(dt, P, W, max_req, max_ctx, st, r);
+    const cuda::DeviceCache& shard = *L->shards.at(0);
+    for (const int32_t B : o.requests)
+      for (const int32_t ctx : o.contexts) {
+        std::vector<int32_t> seq(static_cast<size_t>(B), ctx);
+        Buf<int32_t> seq_dev(seq);
+        const auto qh = random_q(static_cast<size_t>(B) * Q * H * 128, static_cast<uint32_t>(B * 7919 + ctx));
+        Buf<uint8_t> q_dev(qh);
+        DecodeBatch b;
+        b.q = q_dev.p;
+        b.heads = H;
+        b.block_table = L->bt_dev->p;
+        b.num_requests = B;
+        b.max_pages = L->max_pages;
+        b.seq_lens = seq_dev.p;
+        b.query_len = Q;
+        cuda::validate_decode_batch(b, L->repl->num_pages(), P);
+        cuda::DecodeShape shape;
+        shape.max_requests = B;
+        shape.max_pages = L->max_pages;
+        shape.query_len = Q;
+        shape.heads = H;
+        shape.mode = mode;
+        SelectionParams sel = shape.sel;
+        const int64_t rows = static_cast<int64_t>(B) * Q, K = sel.topk;
+        // replicated path of all heads on this GPU (the W ranks of the step simulated here)
+        cuda::DecodeStep rep({L->repl.get()}, W, 0, shape, cuda::DecodePath::kReplicated);
+        Buf<int32_t> o_rep(static_cast<size_t>(rows * H * K)), o_icp(static_cast<size_t>(rows * nh * K));
+        rep.run(b, o_rep.p, sst);
+        cuda::icp_decode(*comm, shard, 0, b, sel, mode, o_icp.p, sst, false);
+        comm->synchronize(st);
+        const auto h_rep = o_rep.host(), h_icp = o_icp.host();
+        bool eq = true;
+        for (int64_t i = 0; i < rows && eq; ++i)
+          for (int32_t h = 0; h < nh && eq; ++h)
+            eq = std::equal(h_icp.begin() + (i * nh + h) * K, h_icp.begin() + (i * nh + h + 1) * K,
+                            h_rep.begin() + (i * H + h0 + h) * K);
+        // the exchange alone: this rank's candidate records, all-gathered
+        const size_t xbytes = static_cast<size_t>(rows) * H * sel.ranked() * 8;
+        Buf<uint8_t> xs(xbytes), xr(xbytes * W);
+        ck(cudaMemset(xs.p, 0, xbytes), "cudaMemset");
+        Graph g_rep(dev.capture([&] {
+          rep.enqueue_score(r, b, sst);
+          rep.enqueue_select(r, b, o_rep.p, sst);
+        }));
+        Graph g_icp(dev.capture([&] { cuda::icp_decode(*comm, shard, 0, b, sel, mode, o_icp.p, sst, false); }));
+        Graph g_x(dev.capture([&] { comm->all_gather(xs.p, xr.p, xbytes, sst); }));
+        struct V {
+          const char* name;
+          const Graph* g;
+          int64_t bytes;
+        };
+        const int64_t icp_bytes = static_cast<int64_t>(B) * shard_bytes(shard.layout(), r, ctx);
+        const V vs[] = {{"replicated_stock", &g_rep, rep.bytes_read(r, seq)},
+                        {"icp_nccl", &g_icp, icp_bytes},
+                        {"icp_nccl_exchange", &g_x, 0}};
+        double icp_med = 0;
+        for (const V& v : vs) {
+          std::vector<Stat> runs;
+          for (int k = 0; k < o.run.repeats; ++k) runs.push_back(dev.time_graph(v.g->e, o.run.replays));
+          comm->synchronize(st);
+          const Combined c = combine(runs);
+          const auto all = gather_doubles(*comm, {c.median, eq ? 1.0 : 0.0}, st);
+          std::vector<double> meds;
+          bool eq_all = true;
+          for (int k = 0; k < W; ++k) {
+            meds.push_back(all[2 * k]);
+            eq_all = eq_all && all[2 * k + 1] == 1.0;
+          }
+          all_eq = all_eq && eq_all;
+          if (std::string(v.name) == "icp_nccl") icp_med = c.median;
+          const double floor_us = v.bytes / (dev.copy_bandwidth_gbs() * 1e3);
+          json j = {{"variant", v.name}, {"tp", W}, {"page_size", P}, {"requests", B}, {"context", ctx}, {"query_len", Q},
+                    {"heads", H}, {"owned_heads", nh}, {"kv_dtype", o.kv_dtype}, {"k_rounding", o.k_rounding},
+                    {"bytes_read", v.bytes}, {"floor_us", floor_us},
+                    {"bandwidth_fraction", v.bytes ? floor_us / c.median : 0.0}, {"per_rank_median_us", meds},
+                    {"selections_equal_replicated", eq_all}};
+          j.update(timing_fields(c));
+          if (std::string(v.name) == "icp_nccl_exchange") {
+            j["bytes_sent_per_rank"] = static_cast<int64_t>(xbytes);
+            if (icp_med > 0) j["share_of_icp_nccl"] = c.median / icp_med;
+          }
+          results.push_back(j);
+          if (lead)
+            std::printf("%-5d %-4d %-7d %-24s %10.1f %10.1f %s\n", P, B, ctx, v.name, c.median,
+                        *std::max_element(meds.begin(), meds.end()), eq_all ? "yes" : "NO");
+          prog.step("P" + std::to_string(P) + " B" + std::to_string(B) + " ctx " + std::to_string(ctx) + " " + v.name);
+        }
+      }
+  }
+  if (lead) {
+    json rec = record_header("decode", o.run, dev,
+                             "TP" + std::to_string(W) + " across " + std::to_string(W) +
+                                 " processes, one GPU each, NCCL all-gather of the candidates; rank 0 timed (every "
+                                 "rank's medians in per_rank_median_us); each timed sequence a CUDA graph");
+    rec["processes"] = W;
+    rec["num_gpus"] = W;
+    rec["nccl"] = nccl::version();
+    rec["results"] = results;
+    write_record(rec, o.run);
+  }
+  comm->synchronize(st);
+  comm->finalize();
   return all_eq;
 }
 
