@@ -255,6 +255,21 @@ def plot_generic(rec, name, out):
         by_variant.setdefault(str(r.get("variant", "?")), []).append(r)
     varying = [k for k in varying
                if any(len({json.dumps(r.get(k)) for r in rs}) > 1 for rs in by_variant.values())]
+
+    # a field that only some variants carry and that follows the other shape fields (e.g. "pages"
+    # of the prefill staging rows, a function of the context) would split one cell in two
+    # ("pages=255" / "no pages"): not a cell either
+    def follows_others(k):
+        seen = {}
+        for r in rec["results"]:
+            if r.get(k) is None:
+                continue
+            cell = tuple(json.dumps(r.get(x)) for x in varying if x != k)
+            if seen.setdefault(cell, json.dumps(r[k])) != json.dumps(r[k]):
+                return False
+        return True
+
+    varying = [k for k in varying if all(r.get(k) is not None for r in rec["results"]) or not follows_others(k)]
     order = lambda k: (SHAPE_ORDER.index(k) if k in SHAPE_ORDER else len(SHAPE_ORDER), k)
     varying.sort(key=order)
     constant.sort(key=order)

@@ -12,6 +12,8 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -59,6 +61,25 @@ std::string last_line(const std::string& s) {
 }
 
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+// Whether process p still runs (a zombie does not: a container's init may never reap orphans).
+bool running(pid_t p) {
+  std::ifstream in("/proc/" + std::to_string(p) + "/stat");
+  std::string stat;
+  if (!std::getline(in, stat)) return ::kill(p, 0) == 0;  // no /proc: best effort
+  const size_t close = stat.rfind(')');
+  return close != std::string::npos && close + 2 < stat.size() && stat[close + 2] != 'Z';
+}
+
+// The pids the ranks wrote to DIR/<rank> (ranks that never wrote one are absent).
+std::vector<pid_t> rank_pids(const fs::path& dir, int world) {
+  std::vector<pid_t> out;
+  for (int r = 0; r < world; ++r) {
+    const std::string s = slurp(dir / std::to_string(r));
+    if (!s.empty() && s.back() == '\n') out.push_back(static_cast<pid_t>(std::stol(s)));
+  }
+  return out;
+}
 
 }  // namespace
 
@@ -161,7 +182,10 @@ TEST(Launch, PartialLastLineIsPrefixed) {
   const auto t = launch("--tp 2 -- sh -c 'printf \"no newline\"; printf \"a\\nb\" >&2'", d.path);
   EXPECT_EQ(t.r.status, 0) << t.r.err;
   EXPECT_TRUE(contains(t.r.out, "[rank 0] no newline\n") && contains(t.r.out, "[rank 1] no newline\n")) << t.r.out;
-  EXPECT_TRUE(contains(t.r.err, "[rank 1] a\n[rank 1] b\n") || contains(t.r.err, "[rank 1] a\n")) << t.r.err;
+  // the two ranks' lines may interleave: each line is checked on its own, the partial "b" included
+  for (int r = 0; r < 2; ++r)
+    for (const char* line : {"a", "b"})
+      EXPECT_TRUE(contains(t.r.err, "[rank " + std::to_string(r) + "] " + line + "\n")) << t.r.err;
 }
 
 TEST(Launch, ReportsAreMerged) {
@@ -245,3 +269,57 @@ TEST(Launch, UsageErrors) {
   t = launch("--tp 1 --timeout 0 -- true", d.path);
   EXPECT_EQ(t.r.status, 2);
 }
+
+// A rank that cannot be started (here: the launcher runs out of file descriptors for the pipes of
+// rank k > 0) stops the ranks already started instead of leaving them running, and says which.
+TEST(Launch, RankThatCannotBeStartedStopsTheOthers) {
+  TempDir d;
+  const fs::path pids = d.path / "pids";
+  fs::create_directory(pids);
+  const std::string script = "ulimit -n 16 && '" + std::string(INDEXCP_CLI_PATH) +
+                             "' launch --tp 12 --grace 1 -- sh -c 'echo $$ > \"" + pids.string() +
+                             "/$INDEXCP_RANK\"; exec sleep 1000' >/dev/null 2>'" + (d.path / "err").string() +
+                             "'; echo $? > '" + (d.path / "status").string() + "'";
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_EQ(std::system(script.c_str()), 0);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 15.0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // a leftover rank would have written its pid
+  for (const pid_t p : rank_pids(pids, 12)) {
+    EXPECT_FALSE(running(p)) << "rank pid " << p << " still runs after the launcher exited";
+    if (running(p)) ::kill(p, SIGKILL);
+  }
+  const std::string err = slurp(d.path / "err");
+  EXPECT_EQ(std::stoi(slurp(d.path / "status")), 1) << err;
+  const size_t at = err.find("cannot start rank ");
+  ASSERT_NE(at, std::string::npos) << err;
+  EXPECT_GT(std::stoi(err.substr(at + 18)), 0) << "no rank was started before the failure: " << err;
+  EXPECT_TRUE(contains(err, "failed: Too many open files")) << err;
+}
+
+#ifdef __linux__
+// A launcher killed outright (SIGKILL: no chance to stop anything) takes its ranks with it.
+TEST(Launch, RanksDoNotOutliveAKilledLauncher) {
+  TempDir d;
+  const fs::path pids = d.path / "pids";
+  fs::create_directory(pids);
+  const std::string script = "'" + std::string(INDEXCP_CLI_PATH) + "' launch --tp 2 -- sh -c 'echo $$ > \"" +
+                             pids.string() + "/$INDEXCP_RANK.tmp\" && mv \"" + pids.string() +
+                             "/$INDEXCP_RANK.tmp\" \"" + pids.string() +
+                             "/$INDEXCP_RANK\"; exec sleep 1000' >/dev/null 2>&1 & L=$!; for i in $(seq 200); do [ -s '" +
+                             pids.string() + "/0' ] && [ -s '" + pids.string() +
+                             "/1' ] && break; sleep 0.05; done; kill -KILL $L; wait $L; true";
+  ASSERT_EQ(std::system(script.c_str()), 0);
+  const auto ranks = rank_pids(pids, 2);
+  ASSERT_EQ(ranks.size(), 2u) << "the ranks did not start";
+  const auto t0 = std::chrono::steady_clock::now();
+  bool alive = true;
+  while (alive && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(5)) {
+    alive = running(ranks[0]) || running(ranks[1]);
+    if (alive) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  for (const pid_t p : ranks) {
+    EXPECT_FALSE(running(p)) << "rank pid " << p << " outlived the killed launcher";
+    if (running(p)) ::kill(p, SIGKILL);
+  }
+}
+#endif

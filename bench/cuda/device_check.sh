@@ -101,6 +101,7 @@ bench() {  # bench NAME ARGS...: one `indexcp bench` run, record into $RES
 do_bench() {
   local d
   d=$(date +%Y-%m-%d)
+  rm -rf /tmp/indexcp-dump  # baseline.py reads every cell under it: none may be left from another run
   bench "decode-h200-$d" decode --dump /tmp/indexcp-dump
   bench "topk-h200-$d" topk
   bench "insert-h200-$d" insert
@@ -134,6 +135,7 @@ do_bench_multi() {
 
 do_quickbench() {
   BENCH_ARGS="--replays 5 --repeats 1 ${BENCH_ARGS:-}"
+  rm -rf /tmp/indexcp-dump
   bench quick-decode decode --requests 2 --contexts 4096 --dump /tmp/indexcp-dump
   bench quick-topk topk --requests 2 --contexts 4096
   bench quick-insert insert --tokens 64,4096

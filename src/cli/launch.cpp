@@ -5,7 +5,9 @@
 //   INDEXCP_RUN_ID=<fresh id>  INDEXCP_REPORT_DIR=<fresh dir>  [INDEXCP_NCCL_TIMEOUT_S=--timeout]
 // (CUDA_VISIBLE_DEVICES is left alone), stdin from /dev/null, stdout and stderr through pipes: each
 // line is copied to the launcher's stdout / stderr prefixed "[rank r] ". Each rank runs in its own
-// process group, so that stopping a rank also stops what it started.
+// process group, so that stopping a rank also stops what it started; on Linux a rank also gets
+// SIGKILL when the launcher dies without stopping it (PR_SET_PDEATHSIG). When a rank cannot be
+// started (pipe or fork failure), the ranks already started are stopped as below (exit status 1).
 //
 // When a rank exits with a non-zero status or is killed by a signal, the launcher sends SIGTERM to
 // every other rank's process group, SIGKILL after --grace seconds to what is left, and exits with
@@ -23,6 +25,9 @@
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/types.h>
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -206,7 +211,9 @@ int launch_command(const LaunchOptions& o) {
     throw Error(ErrorCode::kIo, "launch: cannot create directories in \"" + root + "\": " + std::strerror(errno));
   const std::string run_id = make_run_id();
 
-  // signals: remember them, stop the ranks, exit 128 + signal
+  // signals: remember them, stop the ranks, exit 128 + signal (the flag is cleared BEFORE the
+  // handlers are installed: a signal that arrives in between must not be forgotten)
+  g_signal = 0;
   struct sigaction sa{};
   sa.sa_handler = on_signal;
   sigemptyset(&sa.sa_mask);
@@ -228,7 +235,6 @@ int launch_command(const LaunchOptions& o) {
       ::sigaction(SIGPIPE, &p, nullptr);
     }
   } restore{old_int, old_term, old_hup, old_pipe};
-  g_signal = 0;
 
   std::vector<char*> argv;
   for (const auto& a : o.command) argv.push_back(const_cast<char*>(a.c_str()));
@@ -236,7 +242,11 @@ int launch_command(const LaunchOptions& o) {
 
   std::vector<Rank> ranks(static_cast<size_t>(W));
   const auto t0 = Clock::now();
-  std::string exec_error;
+  // why not every rank was started ("" when all were) and the exit status that goes with it: the
+  // ranks already running are then stopped by the supervision below, never left behind
+  std::string start_error;
+  int start_code = 0;
+  const pid_t launcher_pid = ::getpid();
 
   // the environment every rank shares (set in this process before each fork: children inherit it)
   ::setenv("INDEXCP_WORLD", std::to_string(W).c_str(), 1);
@@ -245,19 +255,44 @@ int launch_command(const LaunchOptions& o) {
   ::setenv("INDEXCP_REPORT_DIR", reports.c_str(), 1);
   if (o.timeout_s > 0) ::setenv("INDEXCP_NCCL_TIMEOUT_S", seconds(o.timeout_s).c_str(), 1);
 
-  for (int r = 0; r < W && exec_error.empty(); ++r) {
-    int out[2], err[2], ex[2];
-    if (::pipe2(out, O_CLOEXEC) != 0 || ::pipe2(err, O_CLOEXEC) != 0 || ::pipe2(ex, O_CLOEXEC) != 0)
-      throw Error(ErrorCode::kRuntime, std::string("launch: pipe failed: ") + std::strerror(errno));
+  for (int r = 0; r < W && start_error.empty(); ++r) {
+    int out[2] = {-1, -1}, err[2] = {-1, -1}, ex[2] = {-1, -1};  // pipe2 leaves them alone on failure
+    auto close_all = [&] {
+      for (int fd : {out[0], out[1], err[0], err[1], ex[0], ex[1]})
+        if (fd >= 0) ::close(fd);
+    };
+    if (::pipe2(out, O_CLOEXEC) != 0 || ::pipe2(err, O_CLOEXEC) != 0 || ::pipe2(ex, O_CLOEXEC) != 0) {
+      const int e = errno;
+      close_all();
+      start_error = "cannot start rank " + std::to_string(r) + " of " + std::to_string(W) + ": pipe failed: " +
+                    std::strerror(e);
+      start_code = 1;
+      break;
+    }
     ::setenv("INDEXCP_RANK", std::to_string(r).c_str(), 1);
     ::setenv("INDEXCP_DEVICE", std::to_string(r).c_str(), 1);
     std::fflush(stdout);
     std::fflush(stderr);
     const pid_t pid = ::fork();
-    if (pid < 0) throw Error(ErrorCode::kRuntime, std::string("launch: fork failed: ") + std::strerror(errno));
+    if (pid < 0) {
+      const int e = errno;
+      close_all();
+      start_error = "cannot start rank " + std::to_string(r) + " of " + std::to_string(W) + ": fork failed: " +
+                    std::strerror(e);
+      start_code = 1;
+      break;
+    }
     if (pid == 0) {
       // child: async-signal-safe calls only
       ::setpgid(0, 0);
+#ifdef __linux__
+      // a rank does not outlive a launcher that was killed outright (SIGKILL: no chance to stop
+      // the ranks); the launcher may already be gone by now
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != launcher_pid) ::_exit(127);
+#else
+      (void)launcher_pid;
+#endif
       struct sigaction dfl{};
       dfl.sa_handler = SIG_DFL;
       sigemptyset(&dfl.sa_mask);
@@ -293,8 +328,10 @@ int launch_command(const LaunchOptions& o) {
     rk.err.out_fd = 2;
     ::fcntl(out[0], F_SETFL, ::fcntl(out[0], F_GETFL) | O_NONBLOCK);
     ::fcntl(err[0], F_SETFL, ::fcntl(err[0], F_GETFL) | O_NONBLOCK);
-    if (n == static_cast<ssize_t>(sizeof e))
-      exec_error = "cannot execute \"" + o.command[0] + "\": " + std::strerror(e);
+    if (n == static_cast<ssize_t>(sizeof e)) {
+      start_error = "cannot execute \"" + o.command[0] + "\": " + std::strerror(e);
+      start_code = 2;
+    }
   }
 
   // supervise
@@ -312,7 +349,7 @@ int launch_command(const LaunchOptions& o) {
     for (auto& rk : ranks)
       if (rk.pid > 0 && group_alive(rk.pid)) ::kill(-rk.pid, SIGTERM);
   };
-  if (!exec_error.empty()) stop_all(exec_error, 2);
+  if (!start_error.empty()) stop_all(start_error, start_code);
 
   for (;;) {
     // reap

@@ -24,7 +24,8 @@ struct LaunchOptions {
 CLI::App* add_launch_subcommand(CLI::App& app, LaunchOptions& o);
 
 /// Runs the launch; returns the exit status (0 when every rank exited 0; else the first failed
-/// rank's exit status, 1 when it was killed by a signal or the time limit passed, 128 + signal
+/// rank's exit status, 1 when it was killed by a signal, the time limit passed or a rank could
+/// not be started (pipe or fork failure: the ranks already started are stopped), 128 + signal
 /// when the launcher was interrupted, 2 for a command that cannot be executed).
 int launch_command(const LaunchOptions& o);
 
