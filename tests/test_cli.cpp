@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -485,6 +486,11 @@ TEST(Cli, BenchRefusesBadOptionsAndRunsWhereAGpuIs) {
   expect_error(run("bench prefill --chunk 4096 --contexts 1024 --no-record", d), 2, {"--contexts value 1024"});
   expect_error(run("bench step --layers 0", d), 2, {"--layers"});
   expect_error(run("bench step --requests 2000 --no-record", d), 2, {"--requests value 2000"});
+  {  // under the launcher only `bench decode` runs as a rank; the launcher passes the rank's status on
+    const Result r = run("launch --tp 2 -- " + std::string(INDEXCP_CLI_PATH) + " bench step --no-record", d);
+    EXPECT_EQ(r.status, 2) << r.err;
+    EXPECT_NE(r.err.find("INDEXCP_WORLD = 2: under `indexcp launch` only `indexcp bench decode`"), std::string::npos) << r.err;
+  }
 
   const std::string tiny = " --replays 2 --repeats 1 -q --out " + q(d / "rec.json");
   if (!cuda_available()) {
@@ -547,6 +553,8 @@ TEST(Cli, BenchDecodeAcrossTwoProcesses) {
       const std::string s = slurp(d / "gpus.txt");
       gpus = static_cast<int>(std::count(s.begin(), s.end(), '\n'));
     }
+    if (const char* v = std::getenv("CUDA_VISIBLE_DEVICES"))  // nvidia-smi ignores it
+      gpus = std::min(gpus, static_cast<int>(std::count(v, v + std::strlen(v), ',')) + (*v ? 1 : 0));
   }
   if (gpus < 2) {
     fs::remove_all(d);

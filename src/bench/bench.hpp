@@ -4,8 +4,9 @@
 // return false when a sharded selection differed from the replicated one (the CLI exits 3).
 //
 // Method common to every benchmark (bench.md section 1): each timed kernel sequence is captured
-// as its own CUDA graph (insert and prefill scoring, which synchronize with the host, are timed
-// with CUDA events around the call instead; their records say so); L2 is flushed before every
+// as its own CUDA graph (insert, prefill_select and the whole gather prefill, which synchronize
+// with the host, are timed with CUDA events or the wall clock around the call; their records
+// say so); L2 is flushed before every
 // replay by a memset of max(256 MB, 4 x L2) outside the timed region; median of `replays`
 // replays; the whole table is run `repeats` times and the medians averaged when they agree
 // within 2% (otherwise both are reported). The device's copy bandwidth (device-to-device

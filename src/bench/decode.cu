@@ -1,10 +1,9 @@
 // `indexcp bench decode` and `indexcp bench topk`: the decode indexer table of spec/bench.md
 // section 1 (method: bench.hpp). One GPU, the W TP ranks simulated on it; every cell times rank 0
 // (each rank's share is real data of real size).
-#include <sys/stat.h>
-
 #include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -20,14 +19,9 @@ namespace indexcp::bench {
 namespace {
 
 void mkdirs(const std::string& p) {
-  std::string cur;
-  for (size_t i = 0; i <= p.size(); ++i) {
-    if (i == p.size() || p[i] == '/') {
-      if (!cur.empty() && ::mkdir(cur.c_str(), 0755) != 0 && errno != EEXIST)
-        throw Error(ErrorCode::kInvalidArgument, "--dump " + p + ": cannot create directory " + cur);
-    }
-    if (i < p.size()) cur += p[i];
-  }
+  std::error_code ec;
+  std::filesystem::create_directories(p, ec);
+  if (ec) throw Error(ErrorCode::kInvalidArgument, "--dump " + p + ": cannot create the directory: " + ec.message());
 }
 
 // One page size's caches: a replicated cache and W shards holding the keys of max_req requests of
@@ -53,19 +47,9 @@ std::unique_ptr<Pool> build_pool(KvDtype dt, int32_t P, int32_t W, int32_t max_r
   for (int32_t r = 0; r < W; ++r)
     if (only_rank < 0 || r == only_rank)
       L->shards.push_back(std::make_unique<cuda::DeviceCache>(make_page_layout(dt, P, W), num_pages, 1, r));
-  const int64_t total = static_cast<int64_t>(max_req) * max_ctx;
-  const int64_t chunk = int64_t{1} << 20;
-  Buf<float> keys(static_cast<size_t>(chunk) * 128);
-  Buf<int64_t> slots(static_cast<size_t>(chunk));
-  const auto sst = reinterpret_cast<cuda::Stream>(st);
-  for (int64_t t0 = 0; t0 < total; t0 += chunk) {
-    const int64_t n = std::min(chunk, total - t0);
-    fill_keys(keys.p, n * 128, 0x1234567ull + t0, st);
-    fill_slots(slots.p, t0, n, max_ctx, L->bt_dev->p, L->max_pages, P, st);
-    cuda::insert_keys(*L->repl, 0, keys.p, slots.p, n, ::indexcp::InsertOptions{}, sst);
-    for (auto& s : L->shards) cuda::insert_keys(*s, 0, keys.p, slots.p, n, ::indexcp::InsertOptions{}, sst);
-  }
-  ck(cudaStreamSynchronize(st), "cudaStreamSynchronize");
+  std::vector<cuda::DeviceCache*> all{L->repl.get()};
+  for (auto& sh : L->shards) all.push_back(sh.get());
+  fill_caches(all, 0, max_req, max_ctx, L->bt_dev->p, L->max_pages, P, 0x1234567ull, st);
   return L;
 }
 
@@ -373,7 +357,7 @@ bool decode_processes(const DecodeOptions& o, const RankEnv& env) {
         double icp_med = 0;
         for (const V& v : vs) {
           std::vector<Stat> runs;
-          for (int k = 0; k < o.run.repeats; ++k) runs.push_back(dev.time_graph(v.g->e, o.run.replays));
+          for (int k = 0; k < o.run.repeats; ++k) runs.push_back(dev.time_graph(v.g->e, o.run.replays, comm.get()));
           comm->synchronize(st);
           const Combined c = combine(runs);
           const auto all = gather_doubles(*comm, {c.median, eq ? 1.0 : 0.0}, st);

@@ -202,8 +202,9 @@ std::string Device::name() const { return cuda::device_name(); }
 
 void Device::flush_l2(int i) { ck(cudaMemsetAsync(flush_, i & 0xff, flush_bytes_, st_), "cudaMemsetAsync (L2 flush)"); }
 
-Stat Device::time_graph(cudaGraphExec_t exec, int n) {
+Stat Device::time_graph(cudaGraphExec_t exec, int n, Communicator* comm) {
   for (int i = 0; i < 3; ++i) ck(cudaGraphLaunch(exec, st_), "cudaGraphLaunch");
+  if (comm) comm->synchronize(st_);
   std::vector<cudaEvent_t> ev(2 * static_cast<size_t>(n));
   for (auto& e : ev) ck(cudaEventCreate(&e), "cudaEventCreate");
   for (int i = 0; i < n; ++i) {
@@ -212,6 +213,7 @@ Stat Device::time_graph(cudaGraphExec_t exec, int n) {
     ck(cudaGraphLaunch(exec, st_), "cudaGraphLaunch");
     ck(cudaEventRecord(ev[2 * i + 1], st_), "cudaEventRecord");
   }
+  if (comm) comm->synchronize(st_);
   ck(cudaStreamSynchronize(st_), "cudaStreamSynchronize");
   std::vector<double> us(static_cast<size_t>(n));
   for (int i = 0; i < n; ++i) {
@@ -254,10 +256,14 @@ json record_header(const std::string& benchmark, const RunOptions& o, const Devi
 void write_record(const json& rec, const RunOptions& o) {
   if (o.out.empty()) return;
   std::string path = o.out;
-  if (path == "auto") {  // <benchmark>-<device>-<date>.json (bench.md section 3), device "NVIDIA H200" -> "h200"
-    std::string dev = rec.value("device", std::string("gpu"));
-    const auto sp = dev.find_last_of(' ');
-    if (sp != std::string::npos) dev = dev.substr(sp + 1);
+  if (path == "auto") {  // <benchmark>-<device>-<date>.json (bench.md section 3): "NVIDIA H100 80GB HBM3" -> "h100"
+    std::istringstream words(rec.value("device", std::string("gpu")));
+    std::string dev = "gpu", w;
+    while (words >> w)
+      if (w != "NVIDIA") {
+        dev = w;
+        break;
+      }
     for (char& c : dev) c = std::isalnum(static_cast<unsigned char>(c)) ? static_cast<char>(std::tolower(c)) : '-';
     path = rec.value("benchmark", std::string("bench")) + "-" + dev + "-" + rec.value("date", std::string("today")) + ".json";
   }
@@ -329,6 +335,21 @@ void fill_slots(int64_t* dev, int64_t t0, int64_t n, int32_t ctx, const int32_t*
                 cudaStream_t st) {
   gen_slots<<<1024, 256, 0, st>>>(dev, t0, n, ctx, bt, max_pages, P);
   ck(cudaGetLastError(), "gen_slots launch");
+}
+
+void fill_caches(const std::vector<cuda::DeviceCache*>& caches, int32_t layer, int32_t requests, int32_t ctx,
+                 const int32_t* bt, int32_t max_pages, int32_t P, uint64_t seed, cudaStream_t st) {
+  const int64_t total = static_cast<int64_t>(requests) * ctx, chunk = int64_t{1} << 20;
+  Buf<float> keys(static_cast<size_t>(std::min(total, chunk)) * 128);
+  Buf<int64_t> slots(static_cast<size_t>(std::min(total, chunk)));
+  const auto sst = reinterpret_cast<cuda::Stream>(st);
+  for (int64_t t0 = 0; t0 < total; t0 += chunk) {
+    const int64_t n = std::min(chunk, total - t0);
+    fill_keys(keys.p, n * 128, seed + t0, st);
+    fill_slots(slots.p, t0, n, ctx, bt, max_pages, P, st);
+    for (cuda::DeviceCache* c : caches) cuda::insert_keys(*c, layer, keys.p, slots.p, n, ::indexcp::InsertOptions{}, sst);
+  }
+  ck(cudaStreamSynchronize(st), "cudaStreamSynchronize");
 }
 
 std::vector<int32_t> shuffled_block_table(int64_t num_pages, uint32_t seed) {

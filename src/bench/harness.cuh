@@ -11,6 +11,8 @@
 #include <vector>
 
 #include "bench/bench.hpp"
+#include "indexcp/comm.hpp"
+#include "indexcp/cuda.hpp"
 
 namespace indexcp::bench {
 
@@ -56,17 +58,25 @@ class Device {
   /// Captures fn()'s work on stream() into an executable graph.
   template <class Fn>
   cudaGraphExec_t capture(Fn&& fn) {
-    cudaGraph_t g;
+    cudaGraph_t g = nullptr;
     cudaGraphExec_t e;
     ck(cudaStreamBeginCapture(st_, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
-    fn();
+    try {
+      fn();
+    } catch (...) {  // leave the stream usable: end the capture, drop the partial graph
+      if (cudaStreamEndCapture(st_, &g) == cudaSuccess && g) cudaGraphDestroy(g);
+      cudaGetLastError();
+      throw;
+    }
     ck(cudaStreamEndCapture(st_, &g), "cudaStreamEndCapture");
     ck(cudaGraphInstantiate(&e, g, 0), "cudaGraphInstantiate");
     ck(cudaGraphDestroy(g), "cudaGraphDestroy");
     return e;
   }
   /// Replays `exec` n times (after 3 warm-ups), L2 flushed before each, only the graph timed.
-  Stat time_graph(cudaGraphExec_t exec, int n);
+  /// With `comm` (graphs holding collectives of a multi-process group) the waits go through
+  /// comm->synchronize, whose watchdog bounds them when a peer dies.
+  Stat time_graph(cudaGraphExec_t exec, int n, Communicator* comm = nullptr);
   /// Times fn() n times with events recorded on stream() around it (fn may synchronize).
   template <class Fn>
   Stat time_eager(Fn&& fn, int n) {
@@ -119,6 +129,11 @@ void fill_keys(float* dev, int64_t n, uint64_t seed, cudaStream_t st);
 /// the block table bt [requests][max_pages] (device).
 void fill_slots(int64_t* dev, int64_t t0, int64_t n, int32_t ctx, const int32_t* bt, int32_t max_pages, int32_t P,
                 cudaStream_t st);
+/// Inserts the keys of `requests` requests of `ctx` tokens each (fill_keys with seed + token
+/// index, slots through the block table bt [requests][max_pages], device) into layer `layer` of
+/// every cache, in chunks of 1M tokens; synchronizes.
+void fill_caches(const std::vector<cuda::DeviceCache*>& caches, int32_t layer, int32_t requests, int32_t ctx,
+                 const int32_t* bt, int32_t max_pages, int32_t P, uint64_t seed, cudaStream_t st);
 /// A shuffled page pool [requests * max_pages] (seeded), as a block table.
 std::vector<int32_t> shuffled_block_table(int64_t num_pages, uint32_t seed);
 /// E4M3 bytes of standard-normal q values.

@@ -39,16 +39,9 @@ bool step(const StepOptions& o) {
   std::vector<std::unique_ptr<cuda::DeviceCache>> shards;
   for (int32_t r = 0; r < W; ++r) shards.push_back(std::make_unique<cuda::DeviceCache>(ls, num_pages, NL, r));
   {
-    const int64_t total = static_cast<int64_t>(max_req) * ctx, chunk = int64_t{1} << 20;
-    Buf<float> keys(static_cast<size_t>(chunk) * 128);
-    Buf<int64_t> slots(static_cast<size_t>(chunk));
-    for (int64_t t0 = 0; t0 < total; t0 += chunk) {
-      const int64_t n = std::min(chunk, total - t0);
-      fill_keys(keys.p, n * 128, 0x5151ull + t0, st);
-      fill_slots(slots.p, t0, n, ctx, bt_dev.p, max_pages, P, st);
-      cuda::insert_keys(repl, 0, keys.p, slots.p, n, ::indexcp::InsertOptions{}, sst);
-      for (auto& s : shards) cuda::insert_keys(*s, 0, keys.p, slots.p, n, ::indexcp::InsertOptions{}, sst);
-    }
+    std::vector<cuda::DeviceCache*> all{&repl};
+    for (auto& sh : shards) all.push_back(sh.get());
+    fill_caches(all, 0, max_req, ctx, bt_dev.p, max_pages, P, 0x5151ull, st);
     for (int32_t l = 1; l < NL; ++l) {
       ck(cudaMemcpyAsync(repl.layer_ptr(l), repl.layer_ptr(0), repl.layer_stride(), cudaMemcpyDeviceToDevice, st), "cudaMemcpyAsync");
       for (auto& s : shards)

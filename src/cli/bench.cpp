@@ -6,6 +6,8 @@
 #include <CLI/CLI.hpp>
 
 #include "bench/bench.hpp"
+#include "indexcp/error.hpp"
+#include "indexcp/rendezvous.hpp"
 
 namespace indexcp::cli {
 namespace {
@@ -106,6 +108,12 @@ int BenchCommand::run(int argc, char** argv) {
   std::string cmd;
   for (int k = 0; k < argc; ++k) cmd += (k ? " " : "") + std::string(argv[k]);
   bool eq = true;
+  if (!m.decode->parsed())
+    if (const auto env = rank_env_from_env(); env && env->world > 1)
+      throw Error(ErrorCode::kInvalidArgument,
+                  "INDEXCP_WORLD = " + std::to_string(env->world) +
+                      ": under `indexcp launch` only `indexcp bench decode` runs as one rank of a group; the other "
+                      "benchmarks run on one GPU (start them without the launcher)");
   if (m.decode->parsed()) {
     m.d.run.command = cmd;
     eq = bench::decode(m.d);
