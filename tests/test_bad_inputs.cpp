@@ -174,6 +174,43 @@ std::vector<Entry> catalogue() {
   e.push_back({"file", "`indexcp replay missing_dir --out out`", [] { return cli("replay missing_dir --out out"); }});
   e.push_back({"file", "`indexcp run --keys missing.npy --queries missing.npy`",
                [] { return cli("run --backend cpu --keys missing.npy --queries missing.npy"); }});
+  // ---- bench: options are checked before the build or the GPU is looked at, so these are the
+  // same with and without the CUDA backend (a valid command line would say which one is missing)
+  e.push_back({"CLI flag", "`indexcp bench` (no benchmark)", [] { return cli("bench"); }});
+  e.push_back({"CLI flag", "`indexcp bench decode --replays 0`", [] { return cli("bench decode --replays 0"); }});
+  e.push_back({"CLI flag", "`indexcp bench decode --pages 64`", [] { return cli("bench decode --pages 64"); }});
+  e.push_back({"CLI flag (list)", "`indexcp bench decode --requests 16,0,64`", [] { return cli("bench decode --requests 16,0,64 --no-record"); }});
+  e.push_back({"CLI flag (oversized)", "`indexcp bench decode --requests 2147483648`",
+               [] { return cli("bench decode --requests 2147483648 --no-record"); }});
+  e.push_back({"CLI flag", "`indexcp bench decode --contexts 4` (shorter than --query-len 8)",
+               [] { return cli("bench decode --contexts 4 --no-record"); }});
+  e.push_back({"CLI flag", "`indexcp bench decode --tp 4 --heads 6`", [] { return cli("bench decode --tp 4 --heads 6 --no-record"); }});
+  e.push_back({"CLI flag (list)", "`indexcp bench insert --kv-dtypes nvfp4,bf16`",
+               [] { return cli("bench insert --kv-dtypes nvfp4,bf16 --no-record"); }});
+  e.push_back({"CLI flag (oversized)", "`indexcp bench insert --tokens 16777217`",
+               [] { return cli("bench insert --tokens 16777217 --no-record"); }});
+  e.push_back({"CLI flag", "`indexcp bench prefill --chunk 4096 --contexts 1024`",
+               [] { return cli("bench prefill --chunk 4096 --contexts 1024 --no-record"); }});
+  e.push_back({"CLI flag", "`indexcp bench prefill --budget-mib 0`", [] { return cli("bench prefill --budget-mib 0 --no-record"); }});
+  e.push_back({"CLI flag (oversized)", "`indexcp bench step --context 9999999999`",
+               [] { return cli("bench step --context 9999999999 --no-record"); }});
+  e.push_back({"CLI flag", "`indexcp bench step --layers 257`", [] { return cli("bench step --layers 257 --no-record"); }});
+  // ---- launch (plain POSIX: the same on every machine)
+  e.push_back({"CLI flag", "`indexcp launch -- true` (no --tp)", [] { return cli("launch -- true"); }});
+  e.push_back({"CLI flag", "`indexcp launch --tp 0 -- true`", [] { return cli("launch --tp 0 -- true"); }});
+  e.push_back({"CLI flag (oversized)", "`indexcp launch --tp 100000 -- true`", [] { return cli("launch --tp 100000 -- true"); }});
+  e.push_back({"CLI flag", "`indexcp launch --tp 2` (no command)", [] { return cli("launch --tp 2"); }});
+  e.push_back({"CLI flag", "`indexcp launch --tp 2 --timeout 0 -- true`", [] { return cli("launch --tp 2 --timeout 0 -- true"); }});
+  e.push_back({"CLI flag", "`indexcp launch --tp 2 --grace -1 -- true`", [] { return cli("launch --tp 2 --grace -1 -- true"); }});
+  e.push_back({"file", "`indexcp launch --tp 2 -- indexcp-no-such-command`", [] { return cli("launch --tp 2 -- indexcp-no-such-command"); }});
+  e.push_back({"file", "`indexcp launch --tp 2 -- case/case.json` (not executable)", [] { return cli("launch --tp 2 -- case/case.json"); }});
+  e.push_back({"file", "`indexcp launch --tp 2 --report missing_dir/r.json -- true`",
+               [] { return cli("launch --tp 2 --report missing_dir/r.json -- true"); }});
+  e.push_back({"file", "`indexcp launch --tp 2 --report case -- true` (a directory)", [] { return cli("launch --tp 2 --report case -- true"); }});
+  e.push_back({"rank failure", "`indexcp launch --tp 1 -- sh -c 'exit 3'`", [] { return cli("launch --tp 1 -- sh -c 'exit 3'"); }});
+  e.push_back({"rank failure", "`indexcp launch --tp 1 -- sh -c 'kill -9 $$'`", [] { return cli("launch --tp 1 -- sh -c 'kill -9 $$'"); }});
+  e.push_back({"rank failure", "`indexcp launch --tp 1 --time-limit 0.2 --grace 1 -- sleep 30`",
+               [] { return cli("launch --tp 1 --time-limit 0.2 --grace 1 -- sleep 30"); }});
   // ---- configs
   e.push_back({"config", "`config --tp 2 --page-size 128 --attention-config '{\"indexer_kv_dtype\": \"bf16\", \"indexer_cache_sharding\": \"on\"}'`",
                [] { return cli("config --tp 2 --page-size 128 --attention-config '{\"indexer_kv_dtype\": \"bf16\", \"indexer_cache_sharding\": \"on\"}'"); }});
@@ -323,7 +360,10 @@ TEST(BadInputs, CatalogueMatchesDocs) {
          "runs disagree. Regenerate with\n\n"
          "```\nINDEXCP_WRITE_BAD_INPUTS=1 build/tests/test_bad_inputs\n```\n\n"
          "Command-line entries show the exit status (2: bad input, 1: runtime failure) and the first line\n"
-         "of stderr; library entries show the `indexcp::Error` code and message. Replay entries start\n"
+         "of stderr; library entries show the `indexcp::Error` code and message. `launch` entries whose\n"
+         "rank fails show the status the launcher passes on (the rank's exit status; 1 for a signal or the\n"
+         "time limit). `bench` entries are refused before the build or the GPU is looked at, so they are\n"
+         "the same with and without the CUDA backend. Replay entries start\n"
          "from one valid decode case (nvfp4, sharding on, TP2, P128, query_len 2, 4 heads, 2 requests of\n"
          "300 and 200 tokens over 4 pages) and change one thing; `case/` is that case directory. Nothing\n"
          "here crashes, hangs or writes output.\n\n"
