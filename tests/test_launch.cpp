@@ -323,3 +323,42 @@ TEST(Launch, RanksDoNotOutliveAKilledLauncher) {
   }
 }
 #endif
+
+// NaN passes CLI11's Range check; a NaN grace would never expire, so it is refused up front.
+TEST(Launch, NotANumberDurationsAreRefused) {
+  TempDir d;
+  for (const char* opt : {"--grace", "--time-limit", "--timeout"}) {
+    const Timed t = launch(std::string(opt) + " nan --tp 2 -- true", d.path);
+    EXPECT_EQ(t.r.status, 2) << opt << ": " << t.r.err;
+    EXPECT_TRUE(contains(t.r.err, std::string(opt) + " = nan")) << t.r.err;
+  }
+}
+
+// What a rank leaves running in its process group ends with the launch, also after success.
+TEST(Launch, BackgroundChildrenOfASuccessfulRankAreStopped) {
+  TempDir d;
+  const std::string script = "sleep 60 & echo $! > " + (d.path / "bg").string() + "_$INDEXCP_RANK; exit 0";
+  const Timed t = launch("--tp 2 -- sh -c '" + script + "'", d.path);
+  EXPECT_EQ(t.r.status, 0) << t.r.err;
+  EXPECT_LT(t.seconds, 20.0);
+  for (int r = 0; r < 2; ++r) {
+    const std::string s = slurp(d.path.string() + "/bg_" + std::to_string(r));
+    ASSERT_FALSE(s.empty()) << "rank " << r << " wrote no pid";
+    const pid_t p = static_cast<pid_t>(std::stol(s));
+    for (int i = 0; i < 100 && running(p); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    EXPECT_FALSE(running(p)) << "background child " << p << " of rank " << r << " outlived the launch";
+  }
+}
+
+// --report through a symlink writes the file it points to and leaves the link in place.
+TEST(Launch, ReportThroughASymlinkKeepsTheLink) {
+  TempDir d;
+  const fs::path target = d.path / "target.json", link = d.path / "link.json";
+  std::ofstream(target) << "old";
+  fs::create_symlink(target, link);
+  const Timed t = launch("--tp 1 --report '" + link.string() + "' -- true", d.path);
+  EXPECT_EQ(t.r.status, 0) << t.r.err;
+  EXPECT_TRUE(fs::is_symlink(link));
+  const auto j = nlohmann::json::parse(slurp(target));
+  EXPECT_EQ(j["launcher"]["world"], 1);
+}

@@ -5,6 +5,10 @@
 
 #include <CLI/CLI.hpp>
 
+#include <filesystem>
+
+#include "commands.hpp"
+
 #include "bench/bench.hpp"
 #include "indexcp/error.hpp"
 #include "indexcp/rendezvous.hpp"
@@ -107,6 +111,14 @@ int BenchCommand::run(int argc, char** argv) {
   Impl& m = *impl_;
   std::string cmd;
   for (int k = 0; k < argc; ++k) cmd += (k ? " " : "") + std::string(argv[k]);
+  // output paths are checked before minutes of benchmarking, not after
+  for (const bench::RunOptions* ro : {&m.d.run, &m.t.run, &m.i.run, &m.p.run, &m.s.run})
+    if (!ro->out.empty() && ro->out != "auto") check_output_path(ro->out, "--out");
+  if (!m.d.dump.empty()) {
+    std::error_code ec;
+    if (std::filesystem::exists(m.d.dump, ec) && !std::filesystem::is_directory(m.d.dump, ec))
+      throw Error(ErrorCode::kInvalidArgument, "--dump " + m.d.dump + ": exists and is not a directory");
+  }
   bool eq = true;
   if (!m.decode->parsed())
     if (const auto env = rank_env_from_env(); env && env->world > 1)

@@ -67,6 +67,17 @@ void check_output_path(const std::string& path, const std::string& flag) {
 
 void write_file_atomic(const std::string& path, const std::string& text) {
   const fs::path p(path);
+  std::error_code sec;
+  const fs::file_status lst = fs::symlink_status(p, sec);
+  if (!sec && fs::exists(lst) && !fs::is_regular_file(lst)) {
+    // a symlink, device (/dev/null), FIFO...: write through it, never replace it
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    if (!out) throw Error(ErrorCode::kIo, path + ": cannot open for writing");
+    out << text;
+    out.close();
+    if (!out) throw Error(ErrorCode::kIo, path + ": write error");
+    return;
+  }
   std::string tmp_name(1, '.');  // (built in steps: GCC 12 warns falsely on "." + string)
   tmp_name += p.filename().string();
   tmp_name += ".tmp";

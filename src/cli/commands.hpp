@@ -81,7 +81,8 @@ struct ConfigOptions {
 int config_command(const ConfigOptions& o);
 
 /// Writes `text` to `path` through a temporary file in the same directory and a rename, so that a
-/// failure leaves nothing behind. Throws Error (kIo) naming the path.
+/// failure leaves nothing behind; a path that exists and is not a regular file (a symlink,
+/// /dev/null, a FIFO) is written through instead, never replaced. Throws Error (kIo) naming the path.
 void write_file_atomic(const std::string& path, const std::string& text);
 /// Throws Error (kInvalidArgument) naming `flag` unless `path`'s directory exists (checked before
 /// long work so that it cannot fail at the end).

@@ -194,6 +194,10 @@ CLI::App* add_launch_subcommand(CLI::App& app, LaunchOptions& o) {
 int launch_command(const LaunchOptions& o) {
   require(o.tp >= 1 && o.tp <= 64, "--tp = " + std::to_string(o.tp) + " must be in 1..64");
   require(!o.command.empty(), "launch: no command given (indexcp launch --tp W -- COMMAND [ARGS...])");
+  // CLI11's Range lets NaN through; a NaN grace would never expire (the ranks never get SIGKILL)
+  require(std::isfinite(o.grace_s), "--grace = " + seconds(o.grace_s) + " is not a number of seconds in 0..3600");
+  require(std::isfinite(o.time_limit_s), "--time-limit = " + seconds(o.time_limit_s) + " is not a number of seconds in 0..604800");
+  require(std::isfinite(o.timeout_s), "--timeout = " + seconds(o.timeout_s) + " is not a number of seconds in 0.001..604800");
   if (!o.report_path.empty()) check_output_path(o.report_path, "--report");
   const int W = o.tp;
 
@@ -417,8 +421,9 @@ int launch_command(const LaunchOptions& o) {
           s->fd = -1;
         }
       }
-  if (!stop_reason.empty())  // what a failed rank left running in its process group
-    for (auto& rk : ranks)
+  // whatever the ranks left running in their process groups (background children) ends with the
+  // launch, also after a successful run
+  for (auto& rk : ranks)
       if (rk.pid > 0 && group_alive(rk.pid)) ::kill(-rk.pid, SIGKILL);
   const double wall = since(t0);
 
@@ -455,11 +460,21 @@ int launch_command(const LaunchOptions& o) {
   }
   launcher["ranks"] = per;
   const json merged = {{"launcher", launcher}, {"ranks", reps}};
-  if (!o.report_path.empty()) write_file_atomic(o.report_path, merged.dump(2) + "\n");
-  else if (any_report) std::cout << merged.dump(2) << std::endl;
+  std::string report_error;  // a report that cannot be written must not hide a rank's failure
+  if (!o.report_path.empty()) {
+    try {
+      write_file_atomic(o.report_path, merged.dump(2) + "\n");
+    } catch (const Error& e) {
+      if (stop_reason.empty()) throw;
+      report_error = e.what();
+    }
+  } else if (any_report) {
+    std::cout << merged.dump(2) << std::endl;
+  }
 
   if (stop_reason.empty()) return 0;
   std::string msg = "launch: " + stop_reason;
+  if (!report_error.empty()) msg += "; --report not written: " + report_error;
   if (failed >= 0) {
     const std::string& last = ranks[static_cast<size_t>(failed)].err.last_line;
     if (!last.empty()) msg += "; its last line on stderr: " + shorten(last);
