@@ -63,6 +63,36 @@ void dump_pool(const std::string& dir, const Pool& L) {
   npy::save(dir + "/block_table.npy", {reqs, L.max_pages}, L.bt.data());
 }
 
+// One cell of the table: B requests of ctx tokens each through the pool's block table, random
+// E4M3 q (seeded by the cell), the batch validated, and the DecodeShape of its steps.
+struct Cell {
+  std::vector<int32_t> seq;
+  std::vector<uint8_t> qh;
+  Buf<int32_t> seq_dev;
+  Buf<uint8_t> q_dev;
+  DecodeBatch b;
+  cuda::DecodeShape shape;
+  Cell(const Pool& L, int32_t B, int32_t ctx, int32_t Q, int32_t H, KRounding mode)
+      : seq(static_cast<size_t>(B), ctx),
+        qh(random_q(static_cast<size_t>(B) * Q * H * 128, static_cast<uint32_t>(B * 7919 + ctx))),
+        seq_dev(seq),
+        q_dev(qh) {
+    b.q = q_dev.p;
+    b.heads = H;
+    b.block_table = L.bt_dev->p;
+    b.num_requests = B;
+    b.max_pages = L.max_pages;
+    b.seq_lens = seq_dev.p;
+    b.query_len = Q;
+    cuda::validate_decode_batch(b, L.repl->num_pages(), L.P);
+    shape.max_requests = B;
+    shape.max_pages = L.max_pages;
+    shape.query_len = Q;
+    shape.heads = H;
+    shape.mode = mode;
+  }
+};
+
 struct Variant {
   std::string name;
   Graph graph;
@@ -109,25 +139,11 @@ bool decode(const DecodeOptions& o) {
     if (!pdir.empty()) dump_pool(pdir, *L);
     for (const int32_t B : o.requests)
       for (const int32_t ctx : o.contexts) {
-        std::vector<int32_t> seq(static_cast<size_t>(B), ctx);
-        Buf<int32_t> seq_dev(seq);
-        const auto qh = random_q(static_cast<size_t>(B) * Q * H * 128, static_cast<uint32_t>(B * 7919 + ctx));
-        Buf<uint8_t> q_dev(qh);
-        DecodeBatch b;
-        b.q = q_dev.p;
-        b.heads = H;
-        b.block_table = L->bt_dev->p;
-        b.num_requests = B;
-        b.max_pages = L->max_pages;
-        b.seq_lens = seq_dev.p;
-        b.query_len = Q;
-        cuda::validate_decode_batch(b, L->repl->num_pages(), P);
-        cuda::DecodeShape shape;
-        shape.max_requests = B;
-        shape.max_pages = L->max_pages;
-        shape.query_len = Q;
-        shape.heads = H;
-        shape.mode = mode;
+        const Cell cell(*L, B, ctx, Q, H, mode);
+        const std::vector<int32_t>& seq = cell.seq;
+        const std::vector<uint8_t>& qh = cell.qh;
+        const DecodeBatch& b = cell.b;
+        const cuda::DecodeShape& shape = cell.shape;
         cuda::DecodeStep rep({L->repl.get()}, W, 0, shape, cuda::DecodePath::kReplicated);
         std::vector<const cuda::DeviceCache*> cs;
         for (auto& s : L->shards) cs.push_back(s.get());
@@ -302,25 +318,10 @@ bool decode_processes(const DecodeOptions& o, const RankEnv& env) {
     const cuda::DeviceCache& shard = *L->shards.at(0);
     for (const int32_t B : o.requests)
       for (const int32_t ctx : o.contexts) {
-        std::vector<int32_t> seq(static_cast<size_t>(B), ctx);
-        Buf<int32_t> seq_dev(seq);
-        const auto qh = random_q(static_cast<size_t>(B) * Q * H * 128, static_cast<uint32_t>(B * 7919 + ctx));
-        Buf<uint8_t> q_dev(qh);
-        DecodeBatch b;
-        b.q = q_dev.p;
-        b.heads = H;
-        b.block_table = L->bt_dev->p;
-        b.num_requests = B;
-        b.max_pages = L->max_pages;
-        b.seq_lens = seq_dev.p;
-        b.query_len = Q;
-        cuda::validate_decode_batch(b, L->repl->num_pages(), P);
-        cuda::DecodeShape shape;
-        shape.max_requests = B;
-        shape.max_pages = L->max_pages;
-        shape.query_len = Q;
-        shape.heads = H;
-        shape.mode = mode;
+        const Cell cell(*L, B, ctx, Q, H, mode);
+        const std::vector<int32_t>& seq = cell.seq;
+        const DecodeBatch& b = cell.b;
+        const cuda::DecodeShape& shape = cell.shape;
         SelectionParams sel = shape.sel;
         const int64_t rows = static_cast<int64_t>(B) * Q, K = sel.topk;
         // replicated path of all heads on this GPU (the W ranks of the step simulated here)

@@ -167,6 +167,26 @@ RowsView prefill_rows_view(const PrefillBatch& b, int64_t rows) {
   return v;
 }
 
+// The scorer launch of a replicated prefill (E4M3 keys, whole-page scorer) for heads [h0, h0+nh).
+ScoreLaunch prefill_score_launch(const DeviceCache& cache, int32_t layer, const PrefillBatch& batch, int64_t rows,
+                                 int32_t max_rows_per_request, int32_t h0, int32_t nh, float* scores) {
+  ScoreLaunch sl;
+  sl.keys = key_source(cache, layer);
+  sl.mode = KRounding::kE4m3;  // prefill always scores E4M3 keys (indexer.md section 2)
+  sl.stock = true;
+  sl.rows = prefill_rows_view(batch, rows);
+  sl.block_table = batch.block_table;
+  sl.max_pages = batch.max_pages;
+  sl.max_rows_per_request = max_rows_per_request;
+  sl.q = batch.q;
+  sl.heads = batch.heads;
+  sl.h0 = h0;
+  sl.nh = nh;
+  sl.scores = scores;
+  sl.max_blocks = max_blocks_of(batch.max_pages, cache.layout());
+  return sl;
+}
+
 void check_group(const Communicator& comm, const DeviceCache& c, bool sharded) {
   if (sharded) {
     INDEXCP_REQUIRE(c.layout().shards == comm.world(), "shard has shards = " + std::to_string(c.layout().shards) +
@@ -543,20 +563,7 @@ void prefill_select(const DeviceCache& cache, int32_t layer, const PrefillBatch&
   const cudaStream_t st = cs(stream);
   const int64_t mb = max_blocks_of(batch.max_pages, cache.layout());
   Tmp<float> scores(static_cast<size_t>(rows) * nh * mb, st);
-  ScoreLaunch sl;
-  sl.keys = key_source(cache, layer);
-  sl.mode = KRounding::kE4m3;  // prefill always scores E4M3 keys (indexer.md section 2)
-  sl.stock = true;
-  sl.rows = prefill_rows_view(batch, rows);
-  sl.block_table = batch.block_table;
-  sl.max_pages = batch.max_pages;
-  sl.max_rows_per_request = hp.max_rows_per_request;
-  sl.q = batch.q;
-  sl.heads = batch.heads;
-  sl.h0 = h0;
-  sl.nh = nh;
-  sl.scores = scores.get();
-  sl.max_blocks = mb;
+  const ScoreLaunch sl = prefill_score_launch(cache, layer, batch, rows, hp.max_rows_per_request, h0, nh, scores.get());
   launch_score(sl, st);
   SelectLaunch s;
   s.rows = sl.rows;
@@ -585,20 +592,7 @@ void prefill_scores(const DeviceCache& cache, int32_t layer, const PrefillBatch&
   INDEXCP_REQUIRE(out != nullptr && batch.q != nullptr && batch.query_start != nullptr && batch.seq_lens != nullptr &&
                       batch.block_table != nullptr,
                   "out or a batch pointer is null");
-  ScoreLaunch sl;
-  sl.keys = key_source(cache, layer);
-  sl.mode = KRounding::kE4m3;  // prefill always scores E4M3 keys (indexer.md section 2)
-  sl.stock = true;
-  sl.rows = prefill_rows_view(batch, rows);
-  sl.block_table = batch.block_table;
-  sl.max_pages = batch.max_pages;
-  sl.max_rows_per_request = max_rows_per_request;
-  sl.q = batch.q;
-  sl.heads = batch.heads;
-  sl.h0 = h0;
-  sl.nh = nh;
-  sl.scores = out;
-  sl.max_blocks = max_blocks_of(batch.max_pages, cache.layout());
+  const ScoreLaunch sl = prefill_score_launch(cache, layer, batch, rows, max_rows_per_request, h0, nh, out);
   launch_fill_neg_inf(out, rows * nh * sl.max_blocks, cs(stream));
   launch_score(sl, cs(stream));
 }
