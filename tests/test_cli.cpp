@@ -560,7 +560,7 @@ TEST(Cli, BenchDecodeAcrossTwoProcesses) {
     fs::remove_all(d);
     GTEST_SKIP() << "needs 2 GPUs; " << gpus << " visible";
   }
-  const Result r = run(std::string("launch --tp 2 --timeout 120 -- '") + INDEXCP_CLI_PATH +
+  const Result r = run(std::string("launch --tp 2 --timeout 120 --report ") + q(d / "report.json") + " -- '" + INDEXCP_CLI_PATH +
                            "' bench decode --tp 2 --requests 2 --contexts 2048 --pages 128,256 --replays 3 --repeats 1 "
                            "-q --out " + q(d / "rec.json"),
                        d);
@@ -581,5 +581,12 @@ TEST(Cli, BenchDecodeAcrossTwoProcesses) {
   }
   EXPECT_EQ(icp, 2);
   EXPECT_EQ(exchange, 2);
+  // the launcher's merged report holds each rank's own results
+  const json rep = json::parse(slurp(d / "report.json"));
+  ASSERT_EQ(rep["ranks"].size(), 2u);
+  for (int k = 0; k < 2; ++k) {
+    EXPECT_EQ(rep["ranks"][k]["rank"], k);
+    EXPECT_EQ(rep["ranks"][k]["results"].size(), rec["results"].size());
+  }
   fs::remove_all(d);
 }

@@ -389,6 +389,11 @@ bool decode_processes(const DecodeOptions& o, const RankEnv& env) {
         }
       }
   }
+  // this rank's own results for the launcher's merged report ($INDEXCP_REPORT_DIR/rank<r>.json)
+  if (const char* dir = std::getenv("INDEXCP_REPORT_DIR")) {
+    std::ofstream f(std::string(dir) + "/rank" + std::to_string(r) + ".json");
+    f << json{{"rank", r}, {"device", dev.name()}, {"cuda_device", env.device}, {"results", results}}.dump() << "\n";
+  }
   if (lead) {
     json rec = record_header("decode", o.run, dev,
                              "TP" + std::to_string(W) + " across " + std::to_string(W) +
