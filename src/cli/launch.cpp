@@ -157,8 +157,8 @@ std::string describe_status(int status) {
 }
 
 std::string shorten(std::string s, size_t n = 300) {
-  for (char& c : s)
-    if (c == '\r' || c == '\t') c = ' ';
+  for (char& c : s)  // the line goes into our one-line error: no control bytes (NUL, ESC, ...)
+    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) c = ' ';
   if (s.size() > n) s = s.substr(0, n) + "...";
   return s;
 }

@@ -1,4 +1,4 @@
-// The indexcp command: run (the main job), replay, capacity, config, bench.
+// The indexcp command: run (the main job), replay, capacity, config, bench, launch.
 //
 // Exit status: 0 success; 1 runtime failure; 2 usage or input error (bad flag, missing or corrupt
 // file, wrong dtype/shape, out-of-range value, refused configuration); 3 a sharded/CP selection
@@ -214,7 +214,7 @@ static int real_main(int argc, char** argv) {
   if (con->parsed()) return config_command(cfg);
   if (lau->parsed()) return launch_command(lo);
   if (bench_cmd.parsed()) return bench_cmd.run(argc, argv);
-  print_error("a subcommand is required (run, replay, capacity, config, bench)");
+  print_error("a subcommand is required (run, replay, capacity, config, bench, launch)");
   return 2;
 }
 
