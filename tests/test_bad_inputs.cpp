@@ -68,22 +68,12 @@ std::string cli(const std::string& args) {
   return "exit " + std::to_string(r.status) + ": " + std::regex_replace(first_line(r.err), cli11_range, "not in range $1 to $2");
 }
 
-const char* code_name(ErrorCode c) {
-  switch (c) {
-    case ErrorCode::kInvalidArgument: return "kInvalidArgument";
-    case ErrorCode::kUnsupported: return "kUnsupported";
-    case ErrorCode::kIo: return "kIo";
-    case ErrorCode::kRuntime: return "kRuntime";
-  }
-  return "?";
-}
-
 // "Error(code): message" of a library call, or what else happened.
 std::string lib(const std::function<void()>& fn) {
   try {
     fn();
   } catch (const Error& e) {
-    return std::string("Error(") + code_name(e.code()) + "): " + first_line(e.what());
+    return std::string("Error(") + error_code_name(e.code()) + "): " + first_line(e.what());
   } catch (const std::exception& e) {
     return std::string("NOT AN indexcp::Error: ") + e.what();
   }

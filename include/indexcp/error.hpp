@@ -18,6 +18,17 @@ enum class ErrorCode {
   kRuntime,          ///< a device, allocation or communication failure
 };
 
+/// "kInvalidArgument" etc.: the enumerator's name (for messages and logs).
+inline const char* error_code_name(ErrorCode c) {
+  switch (c) {
+    case ErrorCode::kInvalidArgument: return "kInvalidArgument";
+    case ErrorCode::kUnsupported: return "kUnsupported";
+    case ErrorCode::kIo: return "kIo";
+    case ErrorCode::kRuntime: return "kRuntime";
+  }
+  return "?";
+}
+
 /// The single exception type thrown by the library.
 class Error : public std::runtime_error {
  public:

@@ -223,4 +223,40 @@ inline int compare_selections(const std::vector<int32_t>& gpu, const std::vector
   return differing;
 }
 
+/// A prefill scene (5 requests incl. a padded one, chunks of 130/700/5/0/7 rows, 4 heads): exact
+/// keys and integer q (scores exact in fp32) or random ones; and its arrays on the device.
+struct PrefillScene {
+  Requests req;
+  std::vector<float> keys;
+  std::vector<int64_t> slots;
+  std::vector<int32_t> qs;
+  std::vector<uint8_t> q;
+  int32_t heads = 4;
+};
+
+inline PrefillScene prefill_scene(int32_t P, uint32_t seed, bool exact) {
+  PrefillScene s;
+  s.req = make_requests({3000, 700, 2048, 0, 130}, P, seed);
+  if (exact) exact_keys(s.req, seed + 1, s.keys, s.slots);
+  else make_keys(s.req, seed + 1, s.keys, s.slots);
+  s.qs = {0, 130, 830, 835, 835, 835 + 7};
+  s.q = exact ? int_q(s.qs.back(), s.heads, seed + 2) : make_q(s.qs.back(), s.heads, seed + 2);
+  return s;
+}
+
+struct DevPrefill {
+  DevArr<uint8_t> q;
+  DevArr<int32_t> bt, sl, qs;
+  PrefillBatch b;
+  DevPrefill(const PrefillScene& s) : q(s.q), bt(s.req.block_table), sl(s.req.seq_lens), qs(s.qs) {
+    b.q = q.get();
+    b.heads = s.heads;
+    b.block_table = bt.get();
+    b.num_requests = static_cast<int32_t>(s.req.seq_lens.size());
+    b.max_pages = s.req.max_pages;
+    b.seq_lens = sl.get();
+    b.query_start = qs.get();
+  }
+};
+
 }  // namespace gpu

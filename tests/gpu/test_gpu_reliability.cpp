@@ -812,16 +812,6 @@ constexpr int kFaultExit = 42;
 // bytes 0x100..: never mapped in a process (below mmap_min_addr) nor in the GPU's address space
 const int32_t* const kBogusDevicePtr = reinterpret_cast<const int32_t*>(uintptr_t{0x100});
 
-const char* code_name(ErrorCode c) {
-  switch (c) {
-    case ErrorCode::kInvalidArgument: return "kInvalidArgument";
-    case ErrorCode::kUnsupported: return "kUnsupported";
-    case ErrorCode::kIo: return "kIo";
-    case ErrorCode::kRuntime: return "kRuntime";
-  }
-  return "?";
-}
-
 enum class FaultVariant {
   kDecodeSelectThenInsert,     // decode_select (validate off) faults; the next insert_keys reports
   kDecodeStepThenPrefill,      // DecodeStep::run (no validation) faults; prefill_select reports
@@ -907,7 +897,7 @@ enum class FaultVariant {
   } catch (const Error& e) {
     const cudaError_t last = cudaGetLastError();  // for the log: a sticky error stays set
     std::fprintf(stderr, "fault child: reported by %s: indexcp::Error code=%s: %s; last CUDA error: %s\n", stage,
-                 code_name(e.code()), e.what(), cudaGetErrorName(last));
+                 error_code_name(e.code()), e.what(), cudaGetErrorName(last));
     std::fflush(stderr);
     std::_Exit(e.code() == ErrorCode::kRuntime ? kFaultExit : 4);
   } catch (const std::exception& e) {

@@ -155,39 +155,6 @@ DecodeScene decode_scene(int32_t P, uint32_t seed) {
   return s;
 }
 
-struct PrefillScene {
-  Requests req;
-  std::vector<float> keys;
-  std::vector<int64_t> slots;
-  std::vector<int32_t> qs;
-  std::vector<uint8_t> q;
-  int32_t H = 4;
-};
-
-PrefillScene prefill_scene(int32_t P, uint32_t seed) {
-  PrefillScene s;
-  s.req = make_requests({3000, 700, 2048, 0, 130}, P, seed);
-  make_keys(s.req, seed + 1, s.keys, s.slots);
-  s.qs = {0, 130, 830, 835, 835, 835 + 7};
-  s.q = make_q(s.qs.back(), s.H, seed + 2);
-  return s;
-}
-
-struct DevPrefill {
-  DevArr<uint8_t> q;
-  DevArr<int32_t> bt, sl, qs;
-  PrefillBatch b;
-  explicit DevPrefill(const PrefillScene& s) : q(s.q), bt(s.req.block_table), sl(s.req.seq_lens), qs(s.qs) {
-    b.q = q.get();
-    b.heads = s.H;
-    b.block_table = bt.get();
-    b.num_requests = static_cast<int32_t>(s.req.seq_lens.size());
-    b.max_pages = s.req.max_pages;
-    b.seq_lens = sl.get();
-    b.query_start = qs.get();
-  }
-};
-
 // out [rows, nh, K] of rank heads h0.. equals expect [rows, H, K] at those heads (first mismatch).
 ::testing::AssertionResult owned_heads_equal(const std::vector<int32_t>& got, const std::vector<int32_t>& expect,
                                              int64_t rows, int32_t H, int32_t h0, int32_t nh, int32_t K) {
@@ -268,13 +235,13 @@ GatherCheck check_gather(Communicator& comm, const PrefillScene& s, KvDtype dt, 
   DevPrefill d(s);
   SelectionParams sel;
   const int64_t rows = s.qs.back();
-  DevArr<int32_t> expect(static_cast<size_t>(rows) * s.H * sel.topk);
+  DevArr<int32_t> expect(static_cast<size_t>(rows) * s.heads * sel.topk);
   int32_t h0, nh;
-  owned_heads(s.H, W, rank, &h0, &nh);
+  owned_heads(s.heads, W, rank, &h0, &nh);
   DevArr<int32_t> out(static_cast<size_t>(rows) * nh * sel.topk);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const auto stream = reinterpret_cast<cuda::Stream>(st);
-  cuda::prefill_select(repl, 0, d.b, 0, s.H, sel, expect.get(), stream);
+  cuda::prefill_select(repl, 0, d.b, 0, s.heads, sel, expect.get(), stream);
   const int64_t unit = gather_unit_bytes(shard.layout());
   const int64_t budget = budget_units > 0 ? unit * budget_units : int64_t{256} << 20;
   const size_t before = comm.bytes_sent();
@@ -283,7 +250,7 @@ GatherCheck check_gather(Communicator& comm, const PrefillScene& s, KvDtype dt, 
   else c.stats = cuda::prefill_gather(comm, shard, 0, d.b, sel, budget, out.get(), stream);
   comm.synchronize(st);
   c.sent = comm.bytes_sent() - before;
-  const auto r = owned_heads_equal(out.host(), expect.host(), rows, s.H, h0, nh, sel.topk);
+  const auto r = owned_heads_equal(out.host(), expect.host(), rows, s.heads, h0, nh, sel.topk);
   c.equal = static_cast<bool>(r);
   if (!c.equal) c.mismatch = r.message();
   return c;
@@ -376,7 +343,7 @@ TEST(NcclSingle, GatherAndLocalScorePrefillOnOneShardEqualReplicated) {
   StreamGuard st;
   for (int32_t P : {128, 256})
     for (KvDtype dt : {KvDtype::kNvfp4, KvDtype::kFp8}) {
-      const auto s = prefill_scene(P, 81u + P);
+      const auto s = prefill_scene(P, 81u + P, false);
       const std::string what = std::string(to_string(dt)) + " P" + std::to_string(P);
       for (int64_t units : {int64_t{1}, int64_t{5}, int64_t{0}}) {
         const auto c = check_gather(*comm, s, dt, units, false, st);
@@ -663,7 +630,7 @@ TEST(NcclMulti, GatherPrefillEqualsReplicatedAndMoves128BytesPerToken) {
   for (int32_t P : {128, 256})
     for (KvDtype dt : {KvDtype::kNvfp4, KvDtype::kFp8}) {
       if (P / W < 16) continue;
-      const auto s = prefill_scene(P, 81u + P);
+      const auto s = prefill_scene(P, 81u + P, false);
       for (int64_t units : {int64_t{1}, int64_t{5}, int64_t{0}}) {
         const std::string what = std::string(to_string(dt)) + " P" + std::to_string(P) + " budget units " +
                                  std::to_string(units);
