@@ -7,6 +7,7 @@
 #   bench       the full suite: indexcp bench decode (+ --dump for the PyTorch baseline), topk,
 #               insert, prefill, step, decode --tp 4; then bench/torch/baseline.py on the dump
 #   quickbench  the same with few replays and small shapes (a smoke test of the commands)
+#   nccl        the NCCL test binary (one and two GPUs) and the CLI's two-process test
 #   bench-multi TP2 / TP4 across 2 / 4 processes (one GPU each, NCCL) where the GPUs exist
 # Environment: INDEXCP_SHARED_DIR (default ./shared), JOBS (16), BUILD_DIR (build-dev),
 #              INDEXCP_GIT_REV (stored in the records), BENCH_ARGS (extra args for every bench).
@@ -15,6 +16,8 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 export INDEXCP_SHARED_DIR=${INDEXCP_SHARED_DIR:-$PWD/shared}
+# NVLink multicast stays off on shared hosts (the device notes): every rank inherits these
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export PATH=/usr/local/cuda/bin:$PATH
 BUILD_DIR=${BUILD_DIR:-build-dev}
@@ -133,6 +136,16 @@ do_bench_multi() {
   done
 }
 
+# The multi-process NCCL tests (issue 5, 8): the whole test_nccl binary (NcclSingle, NcclMulti,
+# NcclLaunch incl. the rank-death tests) and the CLI's two-process benchmark test.
+do_nccl() {
+  log "nccl tests: test_nccl + Cli.BenchDecodeAcrossTwoProcesses"
+  timeout "${NCCL_TEST_TIMEOUT:-360}" "$BUILD_DIR/tests/test_nccl" --gtest_color=no > "$OUT/nccl-test.log" 2>&1
+  log "test_nccl rc=$? $(grep -E '^\[  (PASSED|FAILED|SKIPPED) \]' "$OUT/nccl-test.log" | tr '\n' ' ')"
+  (cd "$BUILD_DIR" && timeout 200 ctest -R 'Cli.BenchDecodeAcrossTwoProcesses' --output-on-failure) > "$OUT/nccl-cli.log" 2>&1
+  log "cli two-process rc=$? $(grep -E 'tests passed|tests failed' "$OUT/nccl-cli.log")"
+}
+
 do_quickbench() {
   BENCH_ARGS="--replays 5 --repeats 1 ${BENCH_ARGS:-}"
   rm -rf /tmp/indexcp-dump
@@ -157,6 +170,7 @@ for ph in $PHASES; do
     bench) do_bench ;;
     quickbench) do_quickbench ;;
     bench-multi) do_bench_multi ;;
+    nccl) do_nccl ;;
   esac
 done
 tar -C "$RES" -cf "$OUT/records.tar" . 2>/dev/null
