@@ -544,18 +544,24 @@ TEST(Cli, BenchRefusesBadOptionsAndRunsWhereAGpuIs) {
 
 // `indexcp launch --tp 2 -- indexcp bench decode --tp 2`: TP2 across two processes (one GPU each,
 // NCCL); needs two GPUs, skipped otherwise (counted with nvidia-smi -L).
-TEST(Cli, BenchDecodeAcrossTwoProcesses) {
-  const fs::path d = temp_dir();
+// GPUs a child process would see (0 without the CUDA backend); `dir` holds a scratch file.
+int visible_gpus(const fs::path& dir) {
   int gpus = 0;
   if (cuda_available()) {
-    const std::string cmd = "nvidia-smi -L > '" + (d / "gpus.txt").string() + "' 2>/dev/null";
+    const std::string cmd = "nvidia-smi -L > '" + (dir / "gpus.txt").string() + "' 2>/dev/null";
     if (std::system(cmd.c_str()) == 0) {
-      const std::string s = slurp(d / "gpus.txt");
+      const std::string s = slurp(dir / "gpus.txt");
       gpus = static_cast<int>(std::count(s.begin(), s.end(), '\n'));
     }
     if (const char* v = std::getenv("CUDA_VISIBLE_DEVICES"))  // nvidia-smi ignores it
       gpus = std::min(gpus, static_cast<int>(std::count(v, v + std::strlen(v), ',')) + (*v ? 1 : 0));
   }
+  return gpus;
+}
+
+TEST(Cli, BenchDecodeAcrossTwoProcesses) {
+  const fs::path d = temp_dir();
+  const int gpus = visible_gpus(d);
   if (gpus < 2) {
     fs::remove_all(d);
     GTEST_SKIP() << "needs 2 GPUs; " << gpus << " visible";
@@ -587,6 +593,78 @@ TEST(Cli, BenchDecodeAcrossTwoProcesses) {
   for (int k = 0; k < 2; ++k) {
     EXPECT_EQ(rep["ranks"][k]["rank"], k);
     EXPECT_EQ(rep["ranks"][k]["results"].size(), rec["results"].size());
+  }
+  fs::remove_all(d);
+}
+
+// `indexcp run` as one rank of a group (INDEXCP_WORLD > 1, as `indexcp launch` sets it): the
+// refusals that come before the group forms, each naming what to change. No GPU needed.
+TEST(Cli, RunAsARankRefusesWhatCannotRunAcrossProcesses) {
+  const fs::path d = temp_dir();
+  ::setenv("INDEXCP_WORLD", "2", 1);
+  ::setenv("INDEXCP_RANK", "0", 1);
+  ::setenv("INDEXCP_RENDEZVOUS", (d / "rdv").string().c_str(), 1);
+  ::setenv("INDEXCP_NCCL_TIMEOUT_S", "5", 1);
+  expect_error(run("run --synthetic --backend cpu", d), 2, {"--backend cpu", "indexcp launch --tp 2", "--backend cuda"});
+  expect_error(run("run --synthetic --tp 4", d), 2, {"--tp", "the only TP size is 2"});
+  expect_error(run("run --synthetic --tp 2,4", d), 2, {"--tp", "the only TP size is 2"});
+  if (!cuda_available()) expect_error(run("run --synthetic --tp 2", d), 2, {"no CUDA GPU is visible"});
+  ::setenv("INDEXCP_WORLD", "3", 1);
+  ::setenv("INDEXCP_RANK", "0", 1);
+  expect_error(run("run --synthetic", d), 2, {"INDEXCP_WORLD = 3", "TP 2, 4 or 8"});
+  for (const char* v : {"INDEXCP_WORLD", "INDEXCP_RANK", "INDEXCP_RENDEZVOUS", "INDEXCP_NCCL_TIMEOUT_S"}) ::unsetenv(v);
+  fs::remove_all(d);
+}
+
+// The main job across two processes (one GPU each, NCCL) equals the same job with both ranks
+// simulated in one process: the same configurations, bit-equal recall per head (a function of
+// every selection), the same payload sizes and cache bytes; sharded equals replicated throughout.
+TEST(Cli, RunAcrossTwoProcessesEqualsTheSimulatedRun) {
+  const fs::path d = temp_dir();
+  const int gpus = visible_gpus(d);
+  if (gpus < 2) {
+    fs::remove_all(d);
+    GTEST_SKIP() << "needs 2 GPUs; " << gpus << " visible";
+  }
+  const std::string job =
+      "run --synthetic --requests 2 --tokens 4096 --prefill-tokens 64 --steps 2 --query-len 4 --kv-dtype nvfp4,fp8 "
+      "--page-size 128,256 -q --json ";
+  const Result multi = run("launch --tp 2 --timeout 120 --report " + q(d / "report.json") + " -- '" + INDEXCP_CLI_PATH +
+                               "' " + job + q(d / "multi.json"),
+                           d);
+  ASSERT_EQ(multi.status, 0) << multi.out << multi.err;
+  const Result single = run(job + q(d / "single.json") + " --backend cuda --tp 2", d);
+  ASSERT_EQ(single.status, 0) << single.err;
+  const json m = json::parse(slurp(d / "multi.json")), s = json::parse(slurp(d / "single.json"));
+  EXPECT_EQ(m["processes"], 2);
+  EXPECT_EQ(m["num_gpus"], 2);
+  EXPECT_EQ(s["processes"], 1);
+  EXPECT_EQ(m["backend"], "cuda");
+  EXPECT_TRUE(m["all_selections_equal_replicated"].get<bool>());
+  EXPECT_EQ(m["sharded_configurations_run"], 4);
+  ASSERT_EQ(m["configs"].size(), 8u);
+  ASSERT_EQ(m["configs"].size(), s["configs"].size());
+  for (size_t i = 0; i < m["configs"].size(); ++i) {
+    const json& a = m["configs"][i];
+    const json& b = s["configs"][i];
+    for (const char* k : {"kv_dtype", "page_size", "tp", "sharding", "recall_vs_fp32_per_head", "cache_bytes_per_rank",
+                          "decode_bytes_exchanged_per_rank", "prefill_gather_reserved_bytes"})
+      EXPECT_EQ(a[k], b[k]) << k << " of " << a.dump();
+    EXPECT_EQ(a["tp"], 2);
+    EXPECT_TRUE(a["selections_equal_replicated"].get<bool>()) << a.dump();
+    if (a["sharding"] == "on")  // decode: each rank publishes rows x H x (K-1) candidates of 8 bytes (indexer.md section 5)
+      EXPECT_EQ(a["decode_bytes_exchanged_per_rank"], (2 * 4) * 4 * 15 * 8) << a.dump();
+  }
+  // only rank 0 prints the table; every rank reports to the launcher
+  EXPECT_NE(multi.out.find("[rank 0] indexcp run:"), std::string::npos) << multi.out;
+  EXPECT_NE(multi.out.find("TP2 across 2 processes"), std::string::npos) << multi.out;
+  EXPECT_EQ(multi.out.find("[rank 1] indexcp run:"), std::string::npos) << multi.out;
+  const json rep = json::parse(slurp(d / "report.json"));
+  ASSERT_EQ(rep["ranks"].size(), 2u) << rep.dump();
+  for (int k = 0; k < 2; ++k) {
+    EXPECT_EQ(rep["ranks"][k]["rank"], k);
+    EXPECT_TRUE(rep["ranks"][k]["all_selections_equal_replicated"].get<bool>());
+    EXPECT_EQ(rep["ranks"][k]["configs"].size(), 8u);
   }
   fs::remove_all(d);
 }

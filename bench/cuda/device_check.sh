@@ -7,7 +7,8 @@
 #   bench       the full suite: indexcp bench decode (+ --dump for the PyTorch baseline), topk,
 #               insert, prefill, step, decode --tp 4; then bench/torch/baseline.py on the dump
 #   quickbench  the same with few replays and small shapes (a smoke test of the commands)
-#   nccl        the NCCL test binary (one and two GPUs) and the CLI's two-process test
+#   nccl        the NCCL test binary (one and two GPUs) and the CLI's two-process tests
+#   run-multi   `indexcp launch --tp 2 -- indexcp run` on the embedded data (2 GPUs)
 #   bench-multi TP2 / TP4 across 2 / 4 processes (one GPU each, NCCL) where the GPUs exist
 # Environment: INDEXCP_SHARED_DIR (default ./shared), JOBS (16), BUILD_DIR (build-dev),
 #              INDEXCP_GIT_REV (stored in the records), BENCH_ARGS (extra args for every bench).
@@ -142,8 +143,20 @@ do_nccl() {
   log "nccl tests: test_nccl + Cli.BenchDecodeAcrossTwoProcesses"
   timeout "${NCCL_TEST_TIMEOUT:-360}" "$BUILD_DIR/tests/test_nccl" --gtest_color=no > "$OUT/nccl-test.log" 2>&1
   log "test_nccl rc=$? $(grep -E '^\[  (PASSED|FAILED|SKIPPED) \]' "$OUT/nccl-test.log" | tr '\n' ' ')"
-  (cd "$BUILD_DIR" && timeout 200 ctest -R 'Cli.BenchDecodeAcrossTwoProcesses' --output-on-failure) > "$OUT/nccl-cli.log" 2>&1
+  (cd "$BUILD_DIR" && timeout 300 ctest -R 'Cli.*(AcrossTwoProcesses|AsARank)' --output-on-failure) > "$OUT/nccl-cli.log" 2>&1
   log "cli two-process rc=$? $(grep -E 'tests passed|tests failed' "$OUT/nccl-cli.log")"
+}
+
+# The main job (`indexcp run` on the embedded data) with its TP ranks as processes, one GPU each.
+do_run_multi() {
+  local n d
+  n=$(nvidia-smi -L 2>/dev/null | wc -l)
+  d=$(date +%Y-%m-%d)
+  [ "$n" -ge 2 ] || { log "run-multi: $n GPU(s), skipped"; return 0; }
+  log "run-multi: indexcp launch --tp 2 -- indexcp run --json"
+  timeout 300 "$BUILD_DIR/bin/indexcp" launch --tp 2 --timeout 120 --report "$RES/run-tp2-2proc-report-$d.json" -- \
+    "$BUILD_DIR/bin/indexcp" run --json "$RES/run-tp2-2proc-h200-$d.json" > "$OUT/run-multi.log" 2>&1
+  log "run-multi rc=$?"
 }
 
 do_quickbench() {
@@ -171,6 +184,7 @@ for ph in $PHASES; do
     quickbench) do_quickbench ;;
     bench-multi) do_bench_multi ;;
     nccl) do_nccl ;;
+    run-multi) do_run_multi ;;
   esac
 done
 tar -C "$RES" -cf "$OUT/records.tar" . 2>/dev/null

@@ -16,6 +16,8 @@
 
 namespace indexcp {
 
+class Communicator;  // comm.hpp
+
 /// Timing and traffic of one step.
 struct StepStats {
   double wall_us = 0;            ///< wall time of the whole step (all ranks, in parallel)
@@ -56,6 +58,19 @@ std::unique_ptr<TpIndexer> make_cpu_tp_indexer(const ResolvedConfig& config, int
 /// The CUDA backend on the current device (simulated ranks on one GPU), or nullptr-free Error
 /// (kUnsupported) when the library was built without CUDA or no GPU is present.
 std::unique_ptr<TpIndexer> make_cuda_tp_indexer(const ResolvedConfig& config, int64_t num_pages);
+
+/// One rank of a TP group whose ranks are separate processes, one GPU each (`indexcp launch`,
+/// nccl.hpp): this process is rank comm.rank() of comm.world() == config.engine.tp, on the
+/// current CUDA device, and keeps only its own cache (its shard rows with sharding on, a full
+/// replicated copy with sharding off). The ranks exchange through `comm`, which must outlive the
+/// indexer. Every call is collective: every rank calls it with the same arguments in the same
+/// order; a refused argument is refused on every rank alike (the checks are the same). decode and
+/// prefill return the whole selection int32 [rows, H, K] on every rank (each rank's owned heads,
+/// all-gathered through `comm`). StepStats: wall_us and us_per_rank are this rank's busy time,
+/// bytes_exchanged what this rank sent during the step (not counting the selection all-gather).
+/// Errors: kUnsupported without the CUDA backend or a GPU, or for bf16; kInvalidArgument when
+/// comm.world() differs from config.engine.tp; kRuntime from the communicator (a peer failed).
+std::unique_ptr<TpIndexer> make_cuda_rank_indexer(const ResolvedConfig& config, int64_t num_pages, Communicator& comm);
 
 /// True when the CUDA backend is built in and a GPU is visible.
 bool cuda_available();

@@ -33,6 +33,7 @@ struct RunOptions {
   std::vector<std::string> kv_dtypes = {"nvfp4", "fp8"};
   std::vector<int32_t> page_sizes = {128, 256};
   std::vector<int32_t> tps = {2, 4};
+  bool tps_given = false;           ///< --tp was on the command line (under `indexcp launch` it must be the group's W)
   std::vector<std::string> shardings = {"off", "on"};
   double capacity_budget_gib = 100.0;
   std::string json_path;

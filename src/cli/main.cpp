@@ -114,7 +114,7 @@ static int real_main(int argc, char** argv) {
       ->delimiter(',')
       ->check(CLI::IsMember({128, 256}))
       ->capture_default_str();
-  run->add_option("--tp", ro.tps, "tensor-parallel sizes")
+  auto* tps = run->add_option("--tp", ro.tps, "tensor-parallel sizes (as a rank of `indexcp launch --tp W`: W)")
       ->delimiter(',')
       ->check(CLI::IsMember({1, 2, 4, 8}))
       ->capture_default_str();
@@ -204,6 +204,7 @@ static int real_main(int argc, char** argv) {
   }
   if (run->parsed()) {
     ro.heads_given = heads->count() > 0;
+    ro.tps_given = tps->count() > 0;
     return run_command(ro);
   }
   if (rep->parsed()) return replay_command(case_dir, out_dir, replay_backend, scores);

@@ -29,8 +29,11 @@
 #include "indexcp/cache.hpp"
 #include "indexcp/capacity.hpp"
 #include "indexcp/config.hpp"
+#include "indexcp/comm.hpp"
 #include "indexcp/error.hpp"
+#include "indexcp/nccl.hpp"
 #include "indexcp/npy.hpp"
+#include "indexcp/rendezvous.hpp"
 #include "indexcp/replay.hpp"
 #include "indexcp/tp_group.hpp"
 #include "reference.hpp"
@@ -246,7 +249,10 @@ struct RunResult {
   std::string backend;
 };
 
-RunResult run_combo(const std::string& backend, const ResolvedConfig& rc, const Data& d, const Workload& w) {
+// group: this process is one rank of a group of processes (indexcp launch); nullptr: every rank
+// of the configuration simulated in this process.
+RunResult run_combo(const std::string& backend, const ResolvedConfig& rc, const Data& d, const Workload& w,
+                    Communicator* group) {
   RunResult out;
   const int32_t P = rc.engine.page_size;
   // block table: each request's pages scattered over a shuffled pool (deterministic)
@@ -261,7 +267,7 @@ RunResult run_combo(const std::string& backend, const ResolvedConfig& rc, const 
   const auto slot = [&](int32_t r, int64_t pos) {
     return static_cast<int64_t>(bt[static_cast<std::size_t>(r) * max_pages + pos / P]) * P + pos % P;
   };
-  auto ix = make_tp_indexer(backend, rc, num_pages);
+  auto ix = group ? make_cuda_rank_indexer(rc, num_pages, *group) : make_tp_indexer(backend, rc, num_pages);
   out.backend = ix->backend();
   out.cache_bytes = ix->cache_bytes_per_rank();
   out.num_pages = num_pages;
@@ -386,6 +392,31 @@ int run_command(const RunOptions& opts) {
   if (o.keys_file.empty() != o.queries_file.empty()) bad("--keys and --queries go together");
   if (!o.keys_file.empty() && !o.data_dir.empty()) bad("--data cannot be combined with --keys/--queries");
   const int64_t budget = budget_bytes_from_gib(o.capacity_budget_gib, "--capacity-budget-gib");
+
+  // ---- one rank of a group of processes (`indexcp launch --tp W -- indexcp run ...`): this process
+  // runs every configuration at TP W as rank INDEXCP_RANK on its own GPU, exchanging through NCCL;
+  // rank 0 prints the table and writes --json, every rank writes its rank report for the launcher
+  const std::optional<RankEnv> env = rank_env_from_env();
+  const bool as_rank = env && env->world > 1;
+  if (as_rank) {
+    const int W = env->world;
+    if (o.backend == "cpu")
+      bad("--backend cpu: as a rank of `indexcp launch --tp " + std::to_string(W) +
+          "` each process runs on its own GPU through NCCL; use --backend cuda (or auto)");
+    if (o.tps_given && (o.tps.size() != 1 || o.tps[0] != W))
+      bad("--tp: as a rank of `indexcp launch --tp " + std::to_string(W) + "` (INDEXCP_WORLD = " + std::to_string(W) +
+          ") the only TP size is " + std::to_string(W) + "; leave --tp out or pass --tp " + std::to_string(W));
+    if (W != 2 && W != 4 && W != 8)
+      bad("INDEXCP_WORLD = " + std::to_string(W) + ": `indexcp run` supports TP 2, 4 or 8 across processes");
+    if (!cuda_available())
+      throw Error(ErrorCode::kUnsupported, "no CUDA GPU is visible (or no CUDA backend in this build): a rank of "
+                                           "`indexcp launch -- indexcp run` needs one");
+    if (!nccl::built_with_nccl())
+      throw Error(ErrorCode::kUnsupported, "this build of indexcp has no NCCL: `indexcp launch -- indexcp run` needs it");
+    o.tps = {W};
+    o.backend = "cuda";
+    if (env->rank != 0) o.quiet = true;  // one rank's progress lines are enough
+  }
 
   // the environment (INDEXCP_P256_STOCK_DECODE) fails now, on its own, not as a policy refusal of
   // every combination; an unavailable backend fails now, not after the data is loaded
@@ -565,6 +596,14 @@ int run_command(const RunOptions& opts) {
     }
   const int n_runs = static_cast<int>(plan.size());
 
+  // ---- the group (as a rank): formed once the arguments and data are known to be good
+  std::unique_ptr<nccl::NcclCommunicator> group;
+  if (as_rank) {
+    progress("joining the TP" + std::to_string(env->world) + " group (rank " + std::to_string(env->rank) + ", GPU " +
+             std::to_string(env->device) + ")");
+    group = nccl::make_communicator(*env);  // also makes env->device the current device
+  }
+
   // ---- layers
   std::string backend_used;
   for (int32_t layer = 0; layer < o.layers; ++layer) {
@@ -582,7 +621,7 @@ int run_command(const RunOptions& opts) {
     for (int i = 0; i < n_runs; ++i) {
       const Planned& p = plan[i];
       const double t = now_s();
-      RunResult rr = run_combo(o.backend, p.rc, data, w);
+      RunResult rr = run_combo(o.backend, p.rc, data, w, group.get());
       backend_used = rr.backend;
       progress(lname + "[" + std::to_string(i + 1) + "/" + std::to_string(n_runs) + "] " + combo_name(p.combo) +
                (p.listed ? "" : " (replicated reference)") + ": insert " + fmt("%.1f s", rr.insert_us * 1e-6) +
@@ -721,12 +760,24 @@ int run_command(const RunOptions& opts) {
          "sharding on: bit-for-bit equal to the sharding-off run of the same kv_dtype, page size and TP on every "
          "prefill and decode step; sharding off: equal to the first sharding-off run of the same kv_dtype"}}},
       {"wall_s", now_s() - t_start}};
+  report["processes"] = as_rank ? env->world : 1;  // spec/bench.md's fields: ranks as processes, GPUs used
+  report["num_gpus"] = as_rank ? env->world : (backend_used == "cuda" ? 1 : 0);
+  if (as_rank) {
+    report["nccl"] = nccl::version();
+    report["definitions"]["us_per_layer_per_rank"] =
+        "mean over decode steps of rank 0's busy time (its GPU work and its NCCL exchanges, one process per rank) "
+        "for one decode step of one layer";
+  }
 
   // ---- table
   std::ostringstream os;
   const auto plural = [](int64_t n, const char* one, const char* many) { return std::to_string(n) + (n == 1 ? one : many); };
   os << "indexcp run: " << data.source << " data \"" << data.name << "\", " << plural(w.R, " request", " requests") << " x "
-     << w.L << " tokens, " << plural(o.layers, " layer", " layers") << ", backend " << backend_used << "\n";
+     << w.L << " tokens, " << plural(o.layers, " layer", " layers") << ", backend " << backend_used
+     << (as_rank ? ", TP" + std::to_string(env->world) + " across " + std::to_string(env->world) +
+                       " processes (one GPU each, NCCL; times of rank 0)"
+                 : std::string())
+     << "\n";
   os << "  per request: " << w.ctx0 << " tokens inserted directly, a " << w.pt
      << "-token prefill chunk (gather mode when sharded), " << plural(w.S, " decode step", " decode steps") << " x "
      << plural(w.Q, " query", " queries") << "; H = " << w.H << ", top-" << w.K << "\n\n";
@@ -763,8 +814,23 @@ int run_command(const RunOptions& opts) {
      << fmt_int(cap.off.tokens) << " tokens with sharding off, " << fmt_int(cap.on.tokens) << " on ("
      << (cap.off.tokens ? "x" + fmt("%.3f", cap.ratio()) : std::string("no ratio: fewer than one page fits")) << ")\n";
 
-  if (!o.json_path.empty()) write_file_atomic(o.json_path, report.dump(2) + "\n");
-  std::cout << os.str() << std::flush;
+  if (as_rank) {
+    // this rank's outcome for the launcher's merged report ($INDEXCP_REPORT_DIR/rank<r>.json)
+    if (const char* dir = std::getenv("INDEXCP_REPORT_DIR")) {
+      json rr = {{"rank", env->rank}, {"cuda_device", env->device}, {"all_selections_equal_replicated", all_equal},
+                 {"configs", json::array()}};
+      for (const auto& c : configs)
+        rr["configs"].push_back({{"kv_dtype", c["kv_dtype"]}, {"page_size", c["page_size"]}, {"tp", c["tp"]},
+                                 {"sharding", c["sharding"]}, {"selections_equal_replicated", c["selections_equal_replicated"]},
+                                 {"us_per_layer_per_rank", c["us_per_layer_per_rank"]},
+                                 {"prefill_us_per_layer_per_rank", c["prefill_us_per_layer_per_rank"]}});
+      std::ofstream(std::string(dir) + "/rank" + std::to_string(env->rank) + ".json") << rr.dump() << "\n";
+    }
+    group->finalize();
+  }
+  const bool lead = !as_rank || env->rank == 0;
+  if (lead && !o.json_path.empty()) write_file_atomic(o.json_path, report.dump(2) + "\n");
+  if (lead) std::cout << os.str() << std::flush;
   progress("done in " + fmt("%.1f s", now_s() - t_start));
   if (!all_equal) {  // the failure's one error line, last
     std::string which;

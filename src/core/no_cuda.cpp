@@ -11,4 +11,8 @@ std::unique_ptr<TpIndexer> make_cuda_tp_indexer(const ResolvedConfig&, int64_t) 
               "--backend cuda: this build of indexcp has no CUDA backend (configure with -DINDEXCP_CUDA=ON on a machine with nvcc)");
 }
 
+std::unique_ptr<TpIndexer> make_cuda_rank_indexer(const ResolvedConfig& c, int64_t n, Communicator&) {
+  return make_cuda_tp_indexer(c, n);  // throws: no CUDA backend
+}
+
 }  // namespace indexcp

@@ -1,5 +1,9 @@
-// TpIndexer on the CUDA backend: W rank caches on the current GPU, W host threads with their own
-// streams, and the device in-process communicator (simulated ranks on one GPU).
+// TpIndexer on the CUDA backend, in two shapes:
+//  - simulated ranks: W rank caches on the current GPU, W host threads with their own streams, and
+//    the device in-process communicator (make_cuda_tp_indexer);
+//  - one rank of a group of processes: this process's rank cache only, the caller's communicator
+//    (NCCL under `indexcp launch`), the owned heads' selections all-gathered so that every rank
+//    returns the whole selection (make_cuda_rank_indexer).
 #include <algorithm>
 #include <chrono>
 
@@ -27,13 +31,34 @@ struct Dev {
 
 class CudaTpIndexer final : public TpIndexer {
  public:
-  CudaTpIndexer(const ResolvedConfig& c, int64_t num_pages) : cfg_(c) {
+  // group == nullptr: every rank simulated here; else this process is rank group->rank().
+  CudaTpIndexer(const ResolvedConfig& c, int64_t num_pages, Communicator* group) : cfg_(c), group_(group) {
     if (c.kv_dtype == KvDtype::kBf16)
       throw Error(ErrorCode::kUnsupported,
                   "indexer_kv_dtype = bf16 is not supported by --backend cuda (use fp8 or nvfp4, or --backend cpu)");
+    if (group_) {
+      INDEXCP_REQUIRE(group_->world() == c.engine.tp,
+                      "the communicator's world size (" + std::to_string(group_->world()) +
+                          ") differs from the configuration's tp (" + std::to_string(c.engine.tp) + ")");
+      first_ = c.shards > 1 ? group_->rank() : 0;  // a shard, or this rank's full replicated copy
+    }
     const PageLayout l = make_page_layout(c.kv_dtype, c.engine.page_size, c.shards);
-    for (int32_t r = 0; r < c.shards; ++r) caches_.emplace_back(l, num_pages, 1, r);
+    const int32_t n = group_ ? 1 : c.shards;
+    for (int32_t r = 0; r < n; ++r) caches_.emplace_back(l, num_pages, 1, first_ + r);
+    if (group_) {
+      cudaStream_t s = nullptr;
+      cuda::detail::check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+      stream_ = s;
+    }
   }
+  ~CudaTpIndexer() override {
+    if (stream_) {
+      cudaStreamSynchronize(stream_);
+      cudaStreamDestroy(stream_);
+    }
+  }
+  CudaTpIndexer(const CudaTpIndexer&) = delete;
+  CudaTpIndexer& operator=(const CudaTpIndexer&) = delete;
   std::string backend() const override { return "cuda"; }
   const ResolvedConfig& config() const override { return cfg_; }
   int64_t cache_bytes_per_rank() const override { return caches_[0].size_bytes(); }
@@ -63,13 +88,13 @@ class CudaTpIndexer final : public TpIndexer {
     d.seq_lens = sl.get();
     return run(rows, b.heads, sel, st, [&](int rank, Communicator& comm, int32_t* out, cuda::Stream s) {
       if (cfg_.sharding) {
-        cuda::icp_decode(comm, caches_[rank], 0, d, sel, cfg_.k_rounding, out, s, false, cfg_.p256_stock_decode);
+        cuda::icp_decode(comm, cache(rank), 0, d, sel, cfg_.k_rounding, out, s, false, cfg_.p256_stock_decode);
       } else if (cfg_.decode_cp) {
-        cuda::decode_cp_replicated(comm, caches_[0], 0, d, sel, cfg_.k_rounding, out, s, false);
+        cuda::decode_cp_replicated(comm, cache(0), 0, d, sel, cfg_.k_rounding, out, s, false);
       } else {
         int32_t h0, nh;
         owned_heads(d.heads, comm.world(), rank, &h0, &nh);
-        cuda::decode_select(caches_[0], 0, d, h0, nh, sel, cfg_.k_rounding, out, s, false);
+        cuda::decode_select(cache(0), 0, d, h0, nh, sel, cfg_.k_rounding, out, s, false);
       }
     });
   }
@@ -90,14 +115,14 @@ class CudaTpIndexer final : public TpIndexer {
     std::vector<int64_t> reserved(static_cast<size_t>(cfg_.engine.tp), 0);
     auto res = run(rows, b.heads, sel, st, [&](int rank, Communicator& comm, int32_t* out, cuda::Stream s) {
       if (cfg_.sharding && cfg_.prefill_cp == PrefillCp::kGather) {
-        reserved[rank] = cuda::prefill_gather(comm, caches_[rank], 0, d, sel, cfg_.prefill_gather_budget_bytes, out, s)
+        reserved[rank] = cuda::prefill_gather(comm, cache(rank), 0, d, sel, cfg_.prefill_gather_budget_bytes, out, s)
                              .reserved_bytes;
       } else if (cfg_.sharding) {
-        cuda::prefill_local_score(comm, caches_[rank], 0, d, sel, out, s);
+        cuda::prefill_local_score(comm, cache(rank), 0, d, sel, out, s);
       } else {
         int32_t h0, nh;
         owned_heads(d.heads, comm.world(), rank, &h0, &nh);
-        cuda::prefill_select(caches_[0], 0, d, h0, nh, sel, out, s);
+        cuda::prefill_select(cache(0), 0, d, h0, nh, sel, out, s);
       }
     });
     if (st) st->gather_reserved_bytes = *std::max_element(reserved.begin(), reserved.end());
@@ -137,6 +162,7 @@ class CudaTpIndexer final : public TpIndexer {
       owned_heads(heads, W, r, &h0, &nh);
       outs[r].resize(static_cast<size_t>(std::max<int64_t>(1, rows * nh * sel.topk)));
     }
+    if (group_) return run_rank(rows, heads, sel, st, fn);
     const double t0 = now_us();
     cuda::run_device_ranks(W, [&](int rank, Communicator& comm, cuda::Stream s) {
       const double a = now_us();
@@ -170,7 +196,54 @@ class CudaTpIndexer final : public TpIndexer {
     return all;
   }
 
+  // This process as rank group_->rank(): fn on this rank's stream, then the owned heads of every
+  // rank all-gathered through the group (each rank's block is rows x nh x K int32, nh the same on
+  // every rank since H % W == 0 or W % H == 0), so every rank returns the whole selection.
+  template <class Fn>
+  std::vector<int32_t> run_rank(int64_t rows, int32_t heads, const SelectionParams& sel, StepStats* st, Fn&& fn) {
+    const int W = cfg_.engine.tp, me = group_->rank();
+    int32_t h0, nh;
+    owned_heads(heads, W, me, &h0, &nh);
+    const size_t per_rank = static_cast<size_t>(rows) * nh * sel.topk;
+    cuda::detail::DeviceBuffer<int32_t> out(std::max<size_t>(1, per_rank)), all_dev(std::max<size_t>(1, per_rank * W));
+    const size_t sent0 = group_->bytes_sent();
+    const double a = now_us();
+    fn(me, *group_, out.get(), reinterpret_cast<cuda::Stream>(stream_));
+    group_->synchronize(stream_);
+    const double busy = now_us() - a;
+    const size_t step_sent = group_->bytes_sent() - sent0;
+    if (per_rank) group_->all_gather(out.get(), all_dev.get(), per_rank * sizeof(int32_t), stream_);
+    group_->synchronize(stream_);
+    std::vector<int32_t> gathered(per_rank * W);
+    if (!gathered.empty())
+      cuda::detail::check(cudaMemcpy(gathered.data(), all_dev.get(), gathered.size() * sizeof(int32_t), cudaMemcpyDeviceToHost),
+                          "cudaMemcpy (selection)");
+    std::vector<int32_t> all(static_cast<size_t>(rows) * heads * sel.topk, -1);
+    for (int rank = 0; rank < W; ++rank) {
+      owned_heads(heads, W, rank, &h0, &nh);
+      if (W > heads && rank != h0 * W / heads) continue;  // the first rank sharing a head
+      const int32_t* h = gathered.data() + static_cast<size_t>(rank) * per_rank;
+      for (int64_t r = 0; r < rows; ++r)
+        for (int32_t hh = 0; hh < nh; ++hh)
+          std::copy_n(h + (r * nh + hh) * sel.topk, sel.topk, all.data() + (r * heads + h0 + hh) * sel.topk);
+    }
+    if (st) {
+      *st = StepStats{};
+      st->wall_us = busy;
+      st->us_per_rank = busy;
+      st->bytes_exchanged = static_cast<int64_t>(step_sent);
+    }
+    return all;
+  }
+
+  // rank r's cache: simulated ranks keep one per rank (sharded) or one shared copy; a process
+  // rank keeps only its own (first_ is its rank when sharded, 0 otherwise)
+  cuda::DeviceCache& cache(int rank) { return caches_[static_cast<size_t>(rank - first_)]; }
+
   ResolvedConfig cfg_;
+  Communicator* group_ = nullptr;
+  int32_t first_ = 0;
+  cudaStream_t stream_ = nullptr;
   std::vector<cuda::DeviceCache> caches_;
 };
 
@@ -181,7 +254,13 @@ bool cuda_available() { return cuda::available(); }
 std::unique_ptr<TpIndexer> make_cuda_tp_indexer(const ResolvedConfig& config, int64_t num_pages) {
   if (!cuda::available())
     throw Error(ErrorCode::kUnsupported, "--backend cuda: no CUDA GPU is visible (this build has the CUDA backend)");
-  return std::make_unique<CudaTpIndexer>(config, num_pages);
+  return std::make_unique<CudaTpIndexer>(config, num_pages, nullptr);
+}
+
+std::unique_ptr<TpIndexer> make_cuda_rank_indexer(const ResolvedConfig& config, int64_t num_pages, Communicator& comm) {
+  if (!cuda::available())
+    throw Error(ErrorCode::kUnsupported, "--backend cuda: no CUDA GPU is visible (this build has the CUDA backend)");
+  return std::make_unique<CudaTpIndexer>(config, num_pages, &comm);
 }
 
 }  // namespace indexcp

@@ -97,6 +97,8 @@ class GroupEnvironment : public ::testing::Environment {
       g.report["gpu"] = std::string("unknown: ") + e.what();
     }
     g.report["tests_run"] = ut->test_to_run_count();
+    g.report["tests_passed"] = ut->successful_test_count();
+    g.report["tests_skipped"] = ut->skipped_test_count();
     g.report["tests_failed"] = ut->failed_test_count();
     g.report["communicator_error"] = g.error.empty() ? json(nullptr) : json(g.error);
     g.report["finalize_error"] = finalize_error.empty() ? json(nullptr) : json(finalize_error);
@@ -520,6 +522,9 @@ TEST(NcclLaunch, Tp2IcpAndGatherAcrossProcessesEqualReplicated) {
     EXPECT_EQ(rr["rank"], rank);
     EXPECT_EQ(rr["tests_failed"], 0) << r.out;
     EXPECT_GT(rr["tests_run"].get<int>(), 0);
+    // every NcclMulti test ran as a rank of the group: none skipped, all passed
+    EXPECT_EQ(rr["tests_skipped"], 0) << r.out;
+    EXPECT_EQ(rr["tests_passed"], rr["tests_run"]) << r.out;
     EXPECT_TRUE(rr["communicator_error"].is_null()) << rr.dump();
     EXPECT_TRUE(rr["finalize_error"].is_null()) << rr.dump();
   }
