@@ -324,14 +324,16 @@ TEST(Launch, RanksDoNotOutliveAKilledLauncher) {
 }
 #endif
 
-// NaN passes CLI11's Range check; a NaN grace would never expire, so it is refused up front.
+// NaN would pass a plain range check; a NaN grace would never expire, so it is refused up front
+// (and so are infinity and numbers with trailing garbage).
 TEST(Launch, NotANumberDurationsAreRefused) {
   TempDir d;
-  for (const char* opt : {"--grace", "--time-limit", "--timeout"}) {
-    const Timed t = launch(std::string(opt) + " nan --tp 2 -- true", d.path);
-    EXPECT_EQ(t.r.status, 2) << opt << ": " << t.r.err;
-    EXPECT_TRUE(contains(t.r.err, std::string(opt) + " = nan")) << t.r.err;
-  }
+  for (const char* opt : {"--grace", "--time-limit", "--timeout"})
+    for (const char* v : {"nan", "-nan", "inf", "1e400", "5s"}) {
+      const Timed t = launch(std::string(opt) + " " + v + " --tp 2 -- true", d.path);
+      EXPECT_EQ(t.r.status, 2) << opt << ": " << t.r.err;
+      EXPECT_TRUE(contains(t.r.err, std::string(opt) + ": Value " + v + " not in range")) << t.r.err;
+    }
 }
 
 // What a rank leaves running in its process group ends with the launch, also after success.

@@ -163,6 +163,24 @@ std::string shorten(std::string s, size_t n = 300) {
   return s;
 }
 
+// A number of seconds in [lo, hi], NaN refused. Our own message, not CLI::Range's: its number
+// formatting differs between CLI11 versions (0.001000 or 0.001), and docs/bad-inputs.md quotes it.
+CLI::Validator seconds_in(double lo, double hi, const std::string& range) {
+  return CLI::Validator(
+      [lo, hi, range](std::string& s) -> std::string {
+        double v = 0;
+        std::size_t used = 0;
+        try {
+          v = std::stod(s, &used);
+        } catch (const std::exception&) {
+          used = 0;
+        }
+        if (used == 0 || used != s.size() || !(v >= lo && v <= hi)) return "Value " + s + " not in range " + range;
+        return {};
+      },
+      "SECONDS in " + range);
+}
+
 }  // namespace
 
 CLI::App* add_launch_subcommand(CLI::App& app, LaunchOptions& o) {
@@ -173,12 +191,12 @@ CLI::App* add_launch_subcommand(CLI::App& app, LaunchOptions& o) {
   l->add_option("--timeout", o.timeout_s,
                 "seconds; exported to the ranks as INDEXCP_NCCL_TIMEOUT_S, the bound of their rendezvous and "
                 "NCCL waits (default: inherited, else 60)")
-      ->check(CLI::Range(1e-3, 604800.0));
+      ->check(seconds_in(1e-3, 604800.0, "0.001 to 604800"));
   l->add_option("--grace", o.grace_s, "seconds between SIGTERM and SIGKILL when the ranks are stopped")
-      ->check(CLI::Range(0.0, 3600.0))
+      ->check(seconds_in(0.0, 3600.0, "0 to 3600"))
       ->capture_default_str();
   l->add_option("--time-limit", o.time_limit_s, "stop every rank after this many seconds (0: no limit)")
-      ->check(CLI::Range(0.0, 604800.0))
+      ->check(seconds_in(0.0, 604800.0, "0 to 604800"))
       ->capture_default_str();
   l->add_option("--report", o.report_path,
                 "write the merged JSON report (launcher status + each rank's $INDEXCP_REPORT_DIR/rank<r>.json) to FILE");
