@@ -8,7 +8,7 @@
 #               insert, prefill, step, decode --tp 4; then bench/torch/baseline.py on the dump
 #   quickbench  the same with few replays and small shapes (a smoke test of the commands)
 #   nccl        the NCCL test binary (one and two GPUs) and the CLI's two-process tests
-#   run-multi   `indexcp launch --tp 2 -- indexcp run` on the embedded data (2 GPUs)
+#   run-multi   `indexcp launch --tp W -- indexcp run` on the embedded data, W = 2 and 4 where the GPUs exist
 #   bench-multi TP2 / TP4 across 2 / 4 processes (one GPU each, NCCL) where the GPUs exist
 # Environment: INDEXCP_SHARED_DIR (default ./shared), JOBS (16), BUILD_DIR (build-dev),
 #              INDEXCP_GIT_REV (stored in the records), BENCH_ARGS (extra args for every bench).
@@ -145,6 +145,12 @@ do_nccl() {
   log "test_nccl rc=$? $(grep -E '^\[  (PASSED|FAILED|SKIPPED) \]' "$OUT/nccl-test.log" | tr '\n' ' ')"
   (cd "$BUILD_DIR" && timeout 300 ctest -R 'Cli.*(AcrossTwoProcesses|AsARank)' --output-on-failure) > "$OUT/nccl-cli.log" 2>&1
   log "cli two-process rc=$? $(grep -E 'tests passed|tests failed' "$OUT/nccl-cli.log")"
+  # W = 4 where 4 GPUs exist (test_nccl's own launcher tests use 2): the NcclMulti tests as 4 ranks
+  if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 4 ]; then
+    timeout 300 "$BUILD_DIR/bin/indexcp" launch --tp 4 --timeout 120 --report "$RES/nccl-tp4-report.json" -- \
+      "$BUILD_DIR/tests/test_nccl" --gtest_filter='NcclMulti.*' --gtest_color=no > "$OUT/nccl-tp4.log" 2>&1
+    log "NcclMulti as 4 ranks rc=$? $(grep -cE '\[       OK \]' "$OUT/nccl-tp4.log") OK lines"
+  fi
 }
 
 # The main job (`indexcp run` on the embedded data) with its TP ranks as processes, one GPU each.
@@ -152,11 +158,14 @@ do_run_multi() {
   local n d
   n=$(nvidia-smi -L 2>/dev/null | wc -l)
   d=$(date +%Y-%m-%d)
-  [ "$n" -ge 2 ] || { log "run-multi: $n GPU(s), skipped"; return 0; }
-  log "run-multi: indexcp launch --tp 2 -- indexcp run --json"
-  timeout 300 "$BUILD_DIR/bin/indexcp" launch --tp 2 --timeout 120 --report "$RES/run-tp2-2proc-report-$d.json" -- \
-    "$BUILD_DIR/bin/indexcp" run --json "$RES/run-tp2-2proc-h200-$d.json" > "$OUT/run-multi.log" 2>&1
-  log "run-multi rc=$?"
+  local w
+  for w in 2 4; do
+    [ "$n" -ge "$w" ] || { log "run-multi: $n GPU(s), TP$w across processes skipped"; continue; }
+    log "run-multi: indexcp launch --tp $w -- indexcp run --json"
+    timeout 300 "$BUILD_DIR/bin/indexcp" launch --tp "$w" --timeout 120 --report "$RES/run-tp$w-${w}proc-report-$d.json" -- \
+      "$BUILD_DIR/bin/indexcp" run --json "$RES/run-tp$w-${w}proc-h200-$d.json" > "$OUT/run-multi-tp$w.log" 2>&1
+    log "run-multi TP$w rc=$?"
+  done
 }
 
 do_quickbench() {

@@ -597,17 +597,24 @@ void prefill_scores(const DeviceCache& cache, int32_t layer, const PrefillBatch&
   launch_score(sl, cs(stream));
 }
 
+// The argument checks of the collective decode paths (icp_decode: a rank shard; decode CP: a
+// replicated cache), in the order their errors are documented.
+static void check_collective_decode(Communicator& comm, const DeviceCache& cache, bool sharded, int32_t layer,
+                             const DecodeBatch& batch, const SelectionParams& sel, const int32_t* out, bool validate) {
+  sel.validate();
+  check_layer(cache, layer);
+  check_not_bf16(cache);
+  check_group(comm, cache, sharded);
+  check_decode_shape(batch);
+  check_heads_tp(batch.heads, comm.world());
+  if (validate) validate_decode_batch(batch, cache.num_pages(), cache.layout().page_size);
+  INDEXCP_REQUIRE(batch.rows() == 0 || out != nullptr, "out is null");
+}
+
 void icp_decode(Communicator& comm, const DeviceCache& shard, int32_t layer, const DecodeBatch& batch,
                 const SelectionParams& sel, KRounding mode, int32_t* out, Stream stream, bool validate,
                 bool p256_stock) {
-  sel.validate();
-  check_layer(shard, layer);
-  check_not_bf16(shard);
-  check_group(comm, shard, true);
-  check_decode_shape(batch);
-  check_heads_tp(batch.heads, comm.world());
-  if (validate) validate_decode_batch(batch, shard.num_pages(), shard.layout().page_size);
-  INDEXCP_REQUIRE(batch.rows() == 0 || out != nullptr, "out is null");
+  check_collective_decode(comm, shard, true, layer, batch, sel, out, validate);
   const PageLayout& l = shard.layout();
   const bool stock = l.rows() >= kBlockTokens && (p256_stock || !(l.page_size == 256 && l.shards == 2));
   const ScoreLaunch sl = decode_score_launch(shard, layer, batch, 0, batch.heads, mode, nullptr, BlockFilter{}, stock);
@@ -616,14 +623,7 @@ void icp_decode(Communicator& comm, const DeviceCache& shard, int32_t layer, con
 
 void decode_cp_replicated(Communicator& comm, const DeviceCache& cache, int32_t layer, const DecodeBatch& batch,
                           const SelectionParams& sel, KRounding mode, int32_t* out, Stream stream, bool validate) {
-  sel.validate();
-  check_layer(cache, layer);
-  check_not_bf16(cache);
-  check_group(comm, cache, false);
-  check_decode_shape(batch);
-  check_heads_tp(batch.heads, comm.world());
-  if (validate) validate_decode_batch(batch, cache.num_pages(), cache.layout().page_size);
-  INDEXCP_REQUIRE(batch.rows() == 0 || out != nullptr, "out is null");
+  check_collective_decode(comm, cache, false, layer, batch, sel, out, validate);
   const ScoreLaunch sl = decode_score_launch(cache, layer, batch, 0, batch.heads, mode, nullptr,
                                              BlockFilter{comm.world(), comm.rank()}, true);
   icp_select_device(comm, sl, cache, decode_rows_view(batch), sel, out, cs(stream));
