@@ -608,10 +608,12 @@ TEST(Cli, RunAsARankRefusesWhatCannotRunAcrossProcesses) {
   expect_error(run("run --synthetic --backend cpu", d), 2, {"--backend cpu", "indexcp launch --tp 2", "--backend cuda"});
   expect_error(run("run --synthetic --tp 4", d), 2, {"--tp", "the only TP size is 2"});
   expect_error(run("run --synthetic --tp 2,4", d), 2, {"--tp", "the only TP size is 2"});
-  if (!cuda_available()) expect_error(run("run --synthetic --tp 2", d), 2, {"no CUDA GPU is visible"});
+  // without a GPU (the GPU and NCCL path itself is Cli.RunAcrossTwoProcessesEqualsTheSimulatedRun)
+  if (!cuda_available()) expect_error(run("run --synthetic --tp 2", d), 2, {"runs on a GPU", "INDEXCP_WORLD = 2", "rank 0"});
   ::setenv("INDEXCP_WORLD", "3", 1);
   ::setenv("INDEXCP_RANK", "0", 1);
   expect_error(run("run --synthetic", d), 2, {"INDEXCP_WORLD = 3", "TP 2, 4 or 8"});
+  expect_error(run("run --synthetic --tp 2 --backend cpu", d), 2, {"INDEXCP_WORLD = 3", "TP 2, 4 or 8"});  // W first
   for (const char* v : {"INDEXCP_WORLD", "INDEXCP_RANK", "INDEXCP_RENDEZVOUS", "INDEXCP_NCCL_TIMEOUT_S"}) ::unsetenv(v);
   fs::remove_all(d);
 }

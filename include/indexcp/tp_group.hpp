@@ -75,6 +75,9 @@ std::unique_ptr<TpIndexer> make_cuda_rank_indexer(const ResolvedConfig& config, 
 /// True when the CUDA backend is built in and a GPU is visible.
 bool cuda_available();
 
+/// True when this build has the CUDA backend (whether or not a GPU is visible).
+bool built_with_cuda();
+
 /// "cpu" | "cuda" | "auto" (cuda when available). Errors name --backend.
 std::unique_ptr<TpIndexer> make_tp_indexer(const std::string& backend, const ResolvedConfig& config,
                                            int64_t num_pages);

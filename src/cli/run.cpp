@@ -400,28 +400,35 @@ int run_command(const RunOptions& opts) {
   const bool as_rank = env && env->world > 1;
   if (as_rank) {
     const int W = env->world;
+    const std::string why = " (INDEXCP_WORLD = " + std::to_string(W) + ": this process is rank " +
+                            std::to_string(env->rank) + " of a group started by `indexcp launch`)";
+    if (W != 2 && W != 4 && W != 8)
+      bad("INDEXCP_WORLD = " + std::to_string(W) + ": `indexcp run` supports TP 2, 4 or 8 across processes");
     if (o.backend == "cpu")
       bad("--backend cpu: as a rank of `indexcp launch --tp " + std::to_string(W) +
           "` each process runs on its own GPU through NCCL; use --backend cuda (or auto)");
     if (o.tps_given && (o.tps.size() != 1 || o.tps[0] != W))
       bad("--tp: as a rank of `indexcp launch --tp " + std::to_string(W) + "` (INDEXCP_WORLD = " + std::to_string(W) +
           ") the only TP size is " + std::to_string(W) + "; leave --tp out or pass --tp " + std::to_string(W));
-    if (W != 2 && W != 4 && W != 8)
-      bad("INDEXCP_WORLD = " + std::to_string(W) + ": `indexcp run` supports TP 2, 4 or 8 across processes");
     if (!cuda_available())
-      throw Error(ErrorCode::kUnsupported, "no CUDA GPU is visible (or no CUDA backend in this build): a rank of "
-                                           "`indexcp launch -- indexcp run` needs one");
+      throw Error(ErrorCode::kUnsupported, "a rank of `indexcp launch -- indexcp run` runs on a GPU, and " +
+                                               std::string(built_with_cuda() ? "no CUDA GPU is visible"
+                                                                             : "this build has no CUDA backend") +
+                                               why);
     if (!nccl::built_with_nccl())
-      throw Error(ErrorCode::kUnsupported, "this build of indexcp has no NCCL: `indexcp launch -- indexcp run` needs it");
+      throw Error(ErrorCode::kUnsupported,
+                  "a rank of `indexcp launch -- indexcp run` exchanges through NCCL, and this build has no NCCL" + why);
     o.tps = {W};
     o.backend = "cuda";
     if (env->rank != 0) o.quiet = true;  // one rank's progress lines are enough
   }
 
   // the environment (INDEXCP_P256_STOCK_DECODE) fails now, on its own, not as a policy refusal of
-  // every combination; an unavailable backend fails now, not after the data is loaded
+  // every combination; an unavailable backend fails now, not after the data is loaded (one
+  // process: a probe; a rank: the checks below, before any CUDA call, which must come after the
+  // communicator has made the rank's device current)
   const ResolvedConfig rc_default = resolve_config(AttentionConfig{}, EngineParams{});
-  if (o.backend != "cpu") (void)make_tp_indexer(o.backend, rc_default, 1);
+  if (!as_rank && o.backend != "cpu") (void)make_tp_indexer(o.backend, rc_default, 1);
 
   // ---- the grid
   std::vector<KvDtype> dts;

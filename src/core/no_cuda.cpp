@@ -5,6 +5,7 @@
 namespace indexcp {
 
 bool cuda_available() { return false; }
+bool built_with_cuda() { return false; }
 
 std::unique_ptr<TpIndexer> make_cuda_tp_indexer(const ResolvedConfig&, int64_t) {
   throw Error(ErrorCode::kUnsupported,

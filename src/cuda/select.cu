@@ -2,15 +2,22 @@
 //
 // A candidate's key is K = score_key(score) + 1 (score_key: the order-preserving map of
 // indexer.md section 3, NaN lowest, -0.0 == +0.0) or 0 when it is not a candidate; the order is
-// (K desc, block id asc), a total order without ties.
-//   select / publish: one CTA of 256 threads per (row, head); the keys of the row are staged once
-//   in shared memory; the boundary (the kk-th best) comes from a radix select over the 32-bit keys
-//   (4 passes of 8 bits), the ties at the boundary taken in ascending id order by a block scan.
+// (K desc, block id asc), a total order without ties. Two select / publish kernels, the same
+// selections (the GPU tests run the exactness suites with each, INDEXCP_SELECT):
+//   warp kernel, one warp per (row, head), for many problems (throughput): the keys of the row are
+//   staged once in shared memory; fast path (kk <= 32): the kk-th largest of the 32 per-lane
+//   maxima bounds the boundary from below; the few keys at or above it (at most 64) are ranked
+//   against each other; fallback (plateaus of equal scores, kk > 32, many survivors): bisection
+//   on the 32-bit key, then the equal keys taken in ascending id order;
+//   CTA kernel, 256 threads per (row, head), for few problems (latency): a radix select over the
+//   32-bit keys (4 passes of 8 bits), the ties at the boundary taken in id order by a block scan.
 //   merge: one warp per (row, head) over the W x (K-1) published candidates.
 // Nothing is approximate: the selection is exactly the CPU's on the same scores.
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include <cub/block/block_scan.cuh>
 
@@ -21,11 +28,16 @@ namespace indexcp::cuda::detail {
 
 namespace {
 
-constexpr int kWarpsPerCta = 4;  // merge: one warp per (row, head)
-constexpr int kStaged = 1536;    // merge: K and block ids of up to kStaged / 2 candidates per warp
+constexpr int kWarpsPerCta = 4;
+constexpr int kSurv = 64;      // survivors ranked in shared memory (fast path)
+constexpr int kStaged = 1536;  // keys staged per warp: rows of up to 1536 blocks (196K tokens);
+                               // longer rows are read from L2 directly (correct, slower)
 
 struct WarpSmem {
-  uint32_t key[kStaged];
+  uint32_t key[kStaged];  // select / publish: candidate keys (publish: compacted); merge: K and ids
+  uint16_t idx[kStaged];  // publish: the candidate index (block - init) of each compacted key
+  uint32_t skey[kSurv];
+  int32_t sidx[kSurv];
 };
 
 __device__ __forceinline__ int64_t row_position(const RowsView& v, int64_t row) {
@@ -45,13 +57,236 @@ __device__ __forceinline__ int64_t row_position(const RowsView& v, int64_t row) 
   return static_cast<int64_t>(v.seq_lens[lo]) - t + (row - v.query_start[lo]);
 }
 
+__device__ __forceinline__ uint32_t lanemask_lt() { return (1u << (threadIdx.x & 31)) - 1u; }
+
 // (K, i) better than (K2, i2) in the order (K desc, i asc)
 __device__ __forceinline__ bool better(uint32_t k, int32_t i, uint32_t k2, int32_t i2) {
   return k > k2 || (k == k2 && i < i2);
 }
 
+// The boundary of the kk best (by (K desc, index asc)) among n keys given by key(i) (0 = not a
+// candidate). On return the selection is { K(i) > 0 and (K, i) not worse than (*tk, *ti) }.
+// *surv > 0 when sh.skey / sh.sidx hold every selected element (and possibly more) in index order.
+template <class Key>
+__device__ void warp_boundary(int32_t n, int32_t kk, Key key, WarpSmem& sh, uint32_t* tk, int32_t* ti, int* surv) {
+  const int lane = threadIdx.x & 31;
+  *surv = 0;
+  uint32_t lm = 0;
+  int cnt = 0;
+#pragma unroll 4
+  for (int32_t i = lane; i < n; i += 32) {
+    const uint32_t k = key(i);
+    cnt += k != 0;
+    lm = k > lm ? k : lm;
+  }
+  const int V = __reduce_add_sync(0xffffffffu, cnt);
+  uint32_t t0 = 1;
+  if (V > kk && kk <= 32) {
+    int ge = 0;
+    for (int o = 0; o < 32; ++o) ge += __shfl_sync(0xffffffffu, lm, o) >= lm;
+    const uint32_t cand = (lm != 0 && ge >= kk) ? lm : 1u;
+    t0 = __reduce_max_sync(0xffffffffu, cand);
+  }
+  int sc = 0;
+#pragma unroll 4
+  for (int32_t i = lane; i < n; i += 32) sc += key(i) >= t0;
+  const int S = __reduce_add_sync(0xffffffffu, sc);
+  if (S <= kSurv) {
+    int base = 0;
+    for (int32_t i0 = 0; i0 < n; i0 += 32) {
+      const int32_t i = i0 + lane;
+      const uint32_t k = i < n ? key(i) : 0u;
+      const bool sv = k >= t0 && k != 0;
+      const unsigned m = __ballot_sync(0xffffffffu, sv);
+      if (sv) {
+        const int p = base + __popc(m & lanemask_lt());
+        sh.skey[p] = k;
+        sh.sidx[p] = i;
+      }
+      base += __popc(m);
+    }
+    __syncwarp();
+    if (V <= kk) {  // all of them
+      *tk = 1u;
+      *ti = INT_MAX;
+    } else {
+      uint32_t bk = 0;
+      int32_t bi = -1;
+      for (int e = lane; e < S; e += 32) {
+        int r = 0;
+        for (int f = 0; f < S; ++f) r += better(sh.skey[f], sh.sidx[f], sh.skey[e], sh.sidx[e]);
+        if (r == kk - 1) {
+          bk = sh.skey[e];
+          bi = sh.sidx[e];
+        }
+      }
+      const unsigned who = __ballot_sync(0xffffffffu, bi >= 0);
+      *tk = __shfl_sync(0xffffffffu, bk, __ffs(who) - 1);
+      *ti = __shfl_sync(0xffffffffu, bi, __ffs(who) - 1);
+    }
+    *surv = S;
+    return;
+  }
+  if (V <= kk) {
+    *tk = 1u;
+    *ti = INT_MAX;
+    return;
+  }
+  // fallback: the largest T with #{K >= T} >= kk, bit by bit
+  uint32_t T = 0;
+  for (int bit = 31; bit >= 0; --bit) {
+    const uint32_t c = T | (1u << bit);
+    int ge = 0;
+    for (int32_t i = lane; i < n; i += 32) ge += key(i) >= c;
+    if (__reduce_add_sync(0xffffffffu, ge) >= kk) T = c;
+  }
+  int gt = 0;
+  for (int32_t i = lane; i < n; i += 32) gt += key(i) > T;
+  int need = kk - __reduce_add_sync(0xffffffffu, gt);  // >= 1 equal keys, taken in index order
+  int32_t last = -1;
+  for (int32_t i0 = 0; i0 < n && need > 0; i0 += 32) {
+    const int32_t i = i0 + lane;
+    const bool eq = i < n && key(i) == T;
+    const unsigned m = __ballot_sync(0xffffffffu, eq);
+    const int c = __popc(m);
+    if (c >= need) {
+      // the need-th set bit of m
+      unsigned mm = m;
+      for (int q = 1; q < need; ++q) mm &= mm - 1;
+      last = i0 + __ffs(mm) - 1;
+      need = 0;
+    } else {
+      need -= c;
+    }
+  }
+  *tk = T;
+  *ti = last;
+}
+
 __device__ __forceinline__ void write_all_visible(int64_t n, int32_t K, int32_t* o) {
   for (int k = threadIdx.x & 31; k < K; k += 32) o[k] = k < n ? k : -1;
+}
+
+__global__ void __launch_bounds__(kWarpsPerCta * 32) select_warp_kernel(const SelectLaunch s) {
+  __shared__ WarpSmem shm[kWarpsPerCta];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t problem = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + warp;
+  if (problem >= s.rows.rows * s.nh) return;
+  WarpSmem& sh = shm[warp];
+  const int64_t row = problem / s.nh;
+  const int32_t hh = static_cast<int32_t>(problem % s.nh);
+  const int64_t pos = row_position(s.rows, row);
+  const int64_t n_vis = pos < 0 ? 0 : pos / kBlockTokens + 1;
+  const SelectionParams sel = s.sel;
+  const int32_t kk = sel.topk - 1 - sel.init_blocks;
+  const float* sc = s.scores + (row * s.nh + hh) * s.max_blocks;
+  const int32_t local = static_cast<int32_t>(n_vis - 1);
+  const int32_t nc = local - sel.init_blocks;  // candidates: blocks init .. local-1
+  const int32_t init = sel.init_blocks;
+  const bool publish = s.cands != nullptr;
+  Candidate* oc = publish ? s.cands + (row * s.nh + hh) * kk : nullptr;
+  int32_t* o = publish ? nullptr : s.out + (row * s.out_heads + s.out_h0 + hh) * sel.topk;
+  if (n_vis <= sel.topk) {
+    if (publish)
+      for (int k = lane; k < kk; k += 32) oc[k] = Candidate{-INFINITY, -1};
+    else
+      write_all_visible(n_vis, sel.topk, o);
+    return;
+  }
+  // candidate keys (publish: only blocks of which this rank stores rows, and the block filter)
+  const int32_t P = s.layout.page_size, R = s.layout.rows(), lo_off = s.rank * R;
+  const int32_t fmod = s.filter.modulus, fres = s.filter.residue;
+  auto key_global = [&](int32_t i) -> uint32_t {
+    const int32_t b = init + i;
+    if (publish) {
+      if (fmod > 1 && b % fmod != fres) return 0u;
+      const int32_t u0 = (b * kBlockTokens) & (P - 1);  // the block's first page offset (P = 128 or 256)
+      if (!(u0 < lo_off + R && lo_off < u0 + kBlockTokens)) return 0u;  // no rows on this rank
+    }
+    return score_key(sc[b]) + 1u;
+  };
+  // stage the keys; publish compacts them to the blocks this rank stores (so that a periodic
+  // validity pattern, e.g. every other block at P256, cannot defeat the per-lane filter)
+  const bool staged = nc <= kStaged;
+  int32_t n = nc;
+  if (staged) {
+    if (publish) {
+      int base = 0;
+      for (int32_t i0 = 0; i0 < nc; i0 += 32) {
+        const int32_t i = i0 + lane;
+        const uint32_t k = i < nc ? key_global(i) : 0u;
+        const unsigned m = __ballot_sync(0xffffffffu, k != 0);
+        if (k != 0) {
+          const int p = base + __popc(m & lanemask_lt());
+          sh.key[p] = k;
+          sh.idx[p] = static_cast<uint16_t>(i);
+        }
+        base += __popc(m);
+      }
+      n = base;
+    } else {
+#pragma unroll 8
+      for (int32_t i = lane; i < nc; i += 32) sh.key[i] = key_global(i);
+    }
+    __syncwarp();
+  }
+  auto key = [&](int32_t j) -> uint32_t { return staged ? sh.key[j] : key_global(j); };
+  auto block_of = [&](int32_t j) -> int32_t { return init + ((staged && publish) ? static_cast<int32_t>(sh.idx[j]) : j); };
+  uint32_t tk;
+  int32_t ti;
+  int S;
+  warp_boundary(n, kk, key, sh, &tk, &ti, &S);
+  auto selected = [&](uint32_t k, int32_t i) { return k != 0 && !better(tk, ti, k, i); };
+
+  if (!publish) {  // ---- selection: [0..init), chosen ids ascending, local
+    for (int k = lane; k < init; k += 32) o[k] = k;
+    int base = 0;
+    for (int32_t i0 = 0; i0 < nc; i0 += 32) {
+      const int32_t i = i0 + lane;
+      const bool take = i < nc && selected(key(i), i);
+      const unsigned m = __ballot_sync(0xffffffffu, take);
+      if (take) o[init + base + __popc(m & lanemask_lt())] = init + i;
+      base += __popc(m);
+    }
+    for (int k = init + base + lane; k < sel.topk; k += 32) o[k] = k == init + base ? local : -1;
+    return;
+  }
+  // ---- publish: the selection ordered by (score desc, id asc), then empty entries
+  int m = 0;
+  if (S > 0) {
+    for (int e = lane; e < S; e += 32) {
+      if (!selected(sh.skey[e], sh.sidx[e])) continue;
+      int r = 0;
+      for (int f = 0; f < S; ++f)
+        r += selected(sh.skey[f], sh.sidx[f]) && better(sh.skey[f], sh.sidx[f], sh.skey[e], sh.sidx[e]);
+      const int32_t b = block_of(sh.sidx[e]);
+      oc[r] = Candidate{sc[b], b};
+    }
+    int c = 0;
+    for (int e = lane; e < S; e += 32) c += selected(sh.skey[e], sh.sidx[e]);
+    m = __reduce_add_sync(0xffffffffu, c);
+  } else {  // rounds of arg-max below the previous one, over the selection
+    uint32_t pk = UINT_MAX;
+    int32_t pi = -1;
+    for (;; ++m) {
+      uint32_t bk = 0;
+      int32_t bi = INT_MAX;
+      for (int32_t i = lane; i < n; i += 32) {
+        const uint32_t k = key(i);
+        if (selected(k, i) && better(pk, pi, k, i) && better(k, i, bk, bi)) {
+          bk = k;
+          bi = i;
+        }
+      }
+      const uint32_t wk = __reduce_max_sync(0xffffffffu, bk);
+      const int32_t wi = static_cast<int32_t>(__reduce_min_sync(0xffffffffu, static_cast<unsigned>(bk == wk ? bi : INT_MAX)));
+      if (wk == 0) break;
+      if (lane == 0) oc[m] = Candidate{sc[block_of(wi)], block_of(wi)};
+      pk = wk;
+      pi = wi;
+    }
+  }
+  for (int k = m + lane; k < kk; k += 32) oc[k] = Candidate{-INFINITY, -1};
 }
 
 // ---- select / publish: one CTA of kSelThreads per (row, head) --------------------------------
@@ -80,7 +315,7 @@ struct SelSmem {
   int32_t tie_idx;
 };
 
-__global__ void __launch_bounds__(kSelThreads) select_kernel(const SelectLaunch s) {
+__global__ void __launch_bounds__(kSelThreads) select_cta_kernel(const SelectLaunch s) {
   __shared__ SelSmem sh;
   const int tid = threadIdx.x;
   const int64_t problem = blockIdx.x;
@@ -291,11 +526,32 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) merge_kernel(const MergeLau
 
 }  // namespace
 
+// INDEXCP_SELECT = warp | cta forces a kernel (tests run both); otherwise the CTA kernel when the
+// problems fit in one wave of 4 CTAs per SM (latency bound: the warp kernel would leave most
+// schedulers idle), the warp kernel beyond (throughput: the CTA kernel does more work per key).
+// H200, `indexcp bench topk`: select 256 problems 19.7 -> 11.8 us, publish 512 problems 30.7 ->
+// 14.8 us with the CTA kernel; publish 2,048 problems 32.8 (warp) vs 41.6 us (CTA).
 void launch_select(const SelectLaunch& s, cudaStream_t stream) {
   const int64_t problems = s.rows.rows * s.nh;
   if (problems == 0) return;
   INDEXCP_REQUIRE(problems < (int64_t{1} << 31), "select launch too large");
-  select_kernel<<<static_cast<unsigned>(problems), kSelThreads, 0, stream>>>(s);
+  bool cta;
+  const char* e = std::getenv("INDEXCP_SELECT");
+  if (e && std::strcmp(e, "warp") == 0) {
+    cta = false;
+  } else if (e && std::strcmp(e, "cta") == 0) {
+    cta = true;
+  } else {
+    int dev = 0, sms = 0;
+    check(cudaGetDevice(&dev), "cudaGetDevice");
+    check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
+    cta = problems <= int64_t{4} * sms;
+  }
+  if (cta) {
+    select_cta_kernel<<<static_cast<unsigned>(problems), kSelThreads, 0, stream>>>(s);
+  } else {
+    select_warp_kernel<<<static_cast<unsigned>(ceil_div(problems, kWarpsPerCta)), kWarpsPerCta * 32, 0, stream>>>(s);
+  }
   INDEXCP_CUDA_LAUNCH_CHECK("select kernel launch");
 }
 

@@ -29,6 +29,23 @@ struct Dev {
   T* get() const { return buf.get(); }
 };
 
+// Rank `rank`'s selections of its owned heads (int32 [rows, nh, K] at src) into the whole
+// selection (int32 [rows, heads, K] at all). When ranks share a head (W > heads), the first of them
+// holds it and the others are skipped.
+void place_heads(int rank, int W, int32_t heads, int64_t rows, int32_t K, const int32_t* src, int32_t* all) {
+  int32_t h0, nh;
+  owned_heads(heads, W, rank, &h0, &nh);
+  if (W > heads && rank != h0 * W / heads) return;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int32_t hh = 0; hh < nh; ++hh) std::copy_n(src + (r * nh + hh) * K, K, all + (r * heads + h0 + hh) * K);
+}
+
+// The one refusal of both shapes when no GPU is visible.
+void require_gpu() {
+  if (!cuda::available())
+    throw Error(ErrorCode::kUnsupported, "--backend cuda: no CUDA GPU is visible (this build has the CUDA backend)");
+}
+
 class CudaTpIndexer final : public TpIndexer {
  public:
   // group == nullptr: every rank simulated here; else this process is rank group->rank().
@@ -46,15 +63,26 @@ class CudaTpIndexer final : public TpIndexer {
     const int32_t n = group_ ? 1 : c.shards;
     for (int32_t r = 0; r < n; ++r) caches_.emplace_back(l, num_pages, 1, first_ + r);
     if (group_) {
+      // a blocking stream: its work waits for the legacy stream's (the cache's zero fill, the
+      // batch uploads by cudaMemcpy, which may return before a pageable copy has landed)
       cudaStream_t s = nullptr;
-      cuda::detail::check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+      cuda::detail::check(cudaStreamCreate(&s), "cudaStreamCreate");
       stream_ = s;
+      cuda::detail::check(cudaEventCreate(&ev_start_), "cudaEventCreate");
+      cuda::detail::check(cudaEventCreate(&ev_end_), "cudaEventCreate");
     }
   }
   ~CudaTpIndexer() override {
     if (stream_) {
-      cudaStreamSynchronize(stream_);
+      // the communicator's bounded wait, not cudaStreamSynchronize: a collective whose peer died
+      // would never complete (the communicator aborts after its timeout and throws)
+      try {
+        group_->synchronize(stream_);
+      } catch (...) {
+      }
       cudaStreamDestroy(stream_);
+      cudaEventDestroy(ev_start_);
+      cudaEventDestroy(ev_end_);
     }
   }
   CudaTpIndexer(const CudaTpIndexer&) = delete;
@@ -154,6 +182,7 @@ class CudaTpIndexer final : public TpIndexer {
   std::vector<int32_t> run(int64_t rows, int32_t heads, const SelectionParams& sel, StepStats* st, Fn&& fn) {
     const int W = cfg_.engine.tp;
     check_heads_tp(heads, W);
+    if (group_) return run_rank(rows, heads, sel, st, fn);
     std::vector<cuda::detail::DeviceBuffer<int32_t>> outs(static_cast<size_t>(W));
     std::vector<double> busy(static_cast<size_t>(W), 0.0);
     std::vector<int64_t> sent(static_cast<size_t>(W), 0);
@@ -162,7 +191,6 @@ class CudaTpIndexer final : public TpIndexer {
       owned_heads(heads, W, r, &h0, &nh);
       outs[r].resize(static_cast<size_t>(std::max<int64_t>(1, rows * nh * sel.topk)));
     }
-    if (group_) return run_rank(rows, heads, sel, st, fn);
     const double t0 = now_us();
     cuda::run_device_ranks(W, [&](int rank, Communicator& comm, cuda::Stream s) {
       const double a = now_us();
@@ -176,14 +204,11 @@ class CudaTpIndexer final : public TpIndexer {
     for (int rank = 0; rank < W; ++rank) {
       int32_t h0, nh;
       owned_heads(heads, W, rank, &h0, &nh);
-      if (W > heads && rank != h0 * W / heads) continue;  // the first rank sharing a head
       std::vector<int32_t> h(static_cast<size_t>(rows) * nh * sel.topk);
       if (!h.empty())
         cuda::detail::check(cudaMemcpy(h.data(), outs[rank].get(), h.size() * sizeof(int32_t), cudaMemcpyDeviceToHost),
                             "cudaMemcpy (selection)");
-      for (int64_t r = 0; r < rows; ++r)
-        for (int32_t hh = 0; hh < nh; ++hh)
-          std::copy_n(h.data() + (r * nh + hh) * sel.topk, sel.topk, all.data() + (r * heads + h0 + hh) * sel.topk);
+      place_heads(rank, W, heads, rows, sel.topk, h.data(), all.data());
     }
     if (st) {
       *st = StepStats{};
@@ -207,26 +232,35 @@ class CudaTpIndexer final : public TpIndexer {
     const size_t per_rank = static_cast<size_t>(rows) * nh * sel.topk;
     cuda::detail::DeviceBuffer<int32_t> out(std::max<size_t>(1, per_rank)), all_dev(std::max<size_t>(1, per_rank * W));
     const size_t sent0 = group_->bytes_sent();
-    const double a = now_us();
-    fn(me, *group_, out.get(), reinterpret_cast<cuda::Stream>(stream_));
-    group_->synchronize(stream_);
-    const double busy = now_us() - a;
+    float busy_ms = 0;
+    try {
+      // the step's time on this rank: its stream from the first to the last of its work (events;
+      // the communicator's polling wait would round it up)
+      cuda::detail::check(cudaEventRecord(ev_start_, stream_), "cudaEventRecord");
+      fn(me, *group_, out.get(), reinterpret_cast<cuda::Stream>(stream_));
+      cuda::detail::check(cudaEventRecord(ev_end_, stream_), "cudaEventRecord");
+      group_->synchronize(stream_);
+      cuda::detail::check(cudaEventElapsedTime(&busy_ms, ev_start_, ev_end_), "cudaEventElapsedTime");
+      if (per_rank) group_->all_gather(out.get(), all_dev.get(), per_rank * sizeof(int32_t), stream_);
+      group_->synchronize(stream_);
+    } catch (...) {
+      // work may still be queued on the stream (a collective whose peer failed): wait for it
+      // through the communicator (bounded; it aborts on timeout) before the buffers are freed
+      try {
+        group_->synchronize(stream_);
+      } catch (...) {
+      }
+      throw;
+    }
+    const double busy = static_cast<double>(busy_ms) * 1e3;
     const size_t step_sent = group_->bytes_sent() - sent0;
-    if (per_rank) group_->all_gather(out.get(), all_dev.get(), per_rank * sizeof(int32_t), stream_);
-    group_->synchronize(stream_);
     std::vector<int32_t> gathered(per_rank * W);
     if (!gathered.empty())
       cuda::detail::check(cudaMemcpy(gathered.data(), all_dev.get(), gathered.size() * sizeof(int32_t), cudaMemcpyDeviceToHost),
                           "cudaMemcpy (selection)");
     std::vector<int32_t> all(static_cast<size_t>(rows) * heads * sel.topk, -1);
-    for (int rank = 0; rank < W; ++rank) {
-      owned_heads(heads, W, rank, &h0, &nh);
-      if (W > heads && rank != h0 * W / heads) continue;  // the first rank sharing a head
-      const int32_t* h = gathered.data() + static_cast<size_t>(rank) * per_rank;
-      for (int64_t r = 0; r < rows; ++r)
-        for (int32_t hh = 0; hh < nh; ++hh)
-          std::copy_n(h + (r * nh + hh) * sel.topk, sel.topk, all.data() + (r * heads + h0 + hh) * sel.topk);
-    }
+    for (int rank = 0; rank < W; ++rank)
+      place_heads(rank, W, heads, rows, sel.topk, gathered.data() + static_cast<size_t>(rank) * per_rank, all.data());
     if (st) {
       *st = StepStats{};
       st->wall_us = busy;
@@ -238,28 +272,28 @@ class CudaTpIndexer final : public TpIndexer {
 
   // rank r's cache: simulated ranks keep one per rank (sharded) or one shared copy; a process
   // rank keeps only its own (first_ is its rank when sharded, 0 otherwise)
-  cuda::DeviceCache& cache(int rank) { return caches_[static_cast<size_t>(rank - first_)]; }
+  cuda::DeviceCache& cache(int rank) { return caches_.at(static_cast<size_t>(rank - first_)); }
 
   ResolvedConfig cfg_;
   Communicator* group_ = nullptr;
   int32_t first_ = 0;
   cudaStream_t stream_ = nullptr;
+  cudaEvent_t ev_start_ = nullptr, ev_end_ = nullptr;
   std::vector<cuda::DeviceCache> caches_;
 };
 
 }  // namespace
 
 bool cuda_available() { return cuda::available(); }
+bool built_with_cuda() { return true; }
 
 std::unique_ptr<TpIndexer> make_cuda_tp_indexer(const ResolvedConfig& config, int64_t num_pages) {
-  if (!cuda::available())
-    throw Error(ErrorCode::kUnsupported, "--backend cuda: no CUDA GPU is visible (this build has the CUDA backend)");
+  require_gpu();
   return std::make_unique<CudaTpIndexer>(config, num_pages, nullptr);
 }
 
 std::unique_ptr<TpIndexer> make_cuda_rank_indexer(const ResolvedConfig& config, int64_t num_pages, Communicator& comm) {
-  if (!cuda::available())
-    throw Error(ErrorCode::kUnsupported, "--backend cuda: no CUDA GPU is visible (this build has the CUDA backend)");
+  require_gpu();
   return std::make_unique<CudaTpIndexer>(config, num_pages, &comm);
 }
 
