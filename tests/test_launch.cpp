@@ -325,14 +325,15 @@ TEST(Launch, RanksDoNotOutliveAKilledLauncher) {
 #endif
 
 // NaN would pass a plain range check; a NaN grace would never expire, so it is refused up front
-// (and so are infinity and numbers with trailing garbage).
+// (and so are infinity, hex, spaces, empty values and trailing garbage: decimal numbers only).
 TEST(Launch, NotANumberDurationsAreRefused) {
   TempDir d;
   for (const char* opt : {"--grace", "--time-limit", "--timeout"})
-    for (const char* v : {"nan", "-nan", "inf", "1e400", "5s"}) {
+    for (const char* v : {"nan", "-nan", "inf", "1e400", "5s", "0x10", "' 5'", "''"}) {
       const Timed t = launch(std::string(opt) + " " + v + " --tp 2 -- true", d.path);
       EXPECT_EQ(t.r.status, 2) << opt << ": " << t.r.err;
-      EXPECT_TRUE(contains(t.r.err, std::string(opt) + ": Value " + v + " not in range")) << t.r.err;
+      EXPECT_TRUE(contains(t.r.err, std::string(opt) + ": \"")) << t.r.err;
+      EXPECT_TRUE(contains(t.r.err, "\" is not a number of seconds in ")) << t.r.err;
     }
 }
 

@@ -392,7 +392,7 @@ bool decode_processes(const DecodeOptions& o, const RankEnv& env) {
       }
   }
   // this rank's own results for the launcher's merged report ($INDEXCP_REPORT_DIR/rank<r>.json)
-  if (const char* dir = std::getenv("INDEXCP_REPORT_DIR")) {
+  if (const char* dir = std::getenv("INDEXCP_REPORT_DIR"); dir && *dir) {
     std::ofstream f(std::string(dir) + "/rank" + std::to_string(r) + ".json");
     f << json{{"rank", r}, {"device", dev.name()}, {"cuda_device", env.device}, {"results", results}}.dump() << "\n";
   }

@@ -163,19 +163,20 @@ std::string shorten(std::string s, size_t n = 300) {
   return s;
 }
 
-// A number of seconds in [lo, hi], NaN refused. Our own message, not CLI::Range's: its number
-// formatting differs between CLI11 versions (0.001000 or 0.001), and docs/bad-inputs.md quotes it.
-CLI::Validator seconds_in(double lo, double hi, const std::string& range) {
+// A number of seconds in [lo, hi], written in decimal (digits, one point, an exponent; no hex,
+// no spaces, no inf/nan), as our own message rather than CLI::Range's, whose number formatting
+// differs between CLI11 versions (docs/bad-inputs.md quotes the message).
+CLI::Validator seconds_in(double lo, double hi) {
+  const std::string range = fmt("%g", lo) + " to " + fmt("%g", hi);
   return CLI::Validator(
       [lo, hi, range](std::string& s) -> std::string {
-        double v = 0;
-        std::size_t used = 0;
-        try {
-          v = std::stod(s, &used);
-        } catch (const std::exception&) {
-          used = 0;
-        }
-        if (used == 0 || used != s.size() || !(v >= lo && v <= hi)) return "Value " + s + " not in range " + range;
+        const bool decimal = !s.empty() && s.size() <= 64 &&
+                             s.find_first_not_of("0123456789.eE+-") == std::string::npos &&
+                             s.find_first_of("0123456789") != std::string::npos;
+        char* end = nullptr;
+        const double v = decimal ? std::strtod(s.c_str(), &end) : 0.0;  // underflow gives 0 or a denormal: fine
+        if (!decimal || end != s.c_str() + s.size() || !(v >= lo && v <= hi))
+          return "\"" + shorten(s, 64) + "\" is not a number of seconds in " + range;
         return {};
       },
       "SECONDS in " + range);
@@ -191,12 +192,12 @@ CLI::App* add_launch_subcommand(CLI::App& app, LaunchOptions& o) {
   l->add_option("--timeout", o.timeout_s,
                 "seconds; exported to the ranks as INDEXCP_NCCL_TIMEOUT_S, the bound of their rendezvous and "
                 "NCCL waits (default: inherited, else 60)")
-      ->check(seconds_in(1e-3, 604800.0, "0.001 to 604800"));
+      ->check(seconds_in(1e-3, 604800.0));
   l->add_option("--grace", o.grace_s, "seconds between SIGTERM and SIGKILL when the ranks are stopped")
-      ->check(seconds_in(0.0, 3600.0, "0 to 3600"))
+      ->check(seconds_in(0.0, 3600.0))
       ->capture_default_str();
   l->add_option("--time-limit", o.time_limit_s, "stop every rank after this many seconds (0: no limit)")
-      ->check(seconds_in(0.0, 604800.0, "0 to 604800"))
+      ->check(seconds_in(0.0, 604800.0))
       ->capture_default_str();
   l->add_option("--report", o.report_path,
                 "write the merged JSON report (launcher status + each rank's $INDEXCP_REPORT_DIR/rank<r>.json) to FILE");
@@ -212,7 +213,8 @@ CLI::App* add_launch_subcommand(CLI::App& app, LaunchOptions& o) {
 int launch_command(const LaunchOptions& o) {
   require(o.tp >= 1 && o.tp <= 64, "--tp = " + std::to_string(o.tp) + " must be in 1..64");
   require(!o.command.empty(), "launch: no command given (indexcp launch --tp W -- COMMAND [ARGS...])");
-  // CLI11's Range lets NaN through; a NaN grace would never expire (the ranks never get SIGKILL)
+  // the parser's validator refuses these already; library callers of launch_command may not
+  // (a NaN grace would never expire: the ranks would never get SIGKILL)
   require(std::isfinite(o.grace_s), "--grace = " + seconds(o.grace_s) + " is not a number of seconds in 0..3600");
   require(std::isfinite(o.time_limit_s), "--time-limit = " + seconds(o.time_limit_s) + " is not a number of seconds in 0..604800");
   require(std::isfinite(o.timeout_s), "--timeout = " + seconds(o.timeout_s) + " is not a number of seconds in 0.001..604800");

@@ -6,9 +6,12 @@
 // Every failure prints exactly one line "indexcp: error: ..." on stderr.
 #include <CLI/CLI.hpp>
 
+#include <cstdio>
 #include <iostream>
 #include <new>
 #include <string>
+
+#include <unistd.h>
 
 #include "bench_cli.hpp"
 #include "commands.hpp"
@@ -26,14 +29,28 @@
 
 namespace {
 
+// One line for the terminal: control bytes (newlines, ESC, BEL, ...) become spaces, and a message
+// that echoes a huge value is cut.
 std::string one_line(std::string s) {
   for (char& c : s)
-    if (c == '\n' || c == '\r') c = ' ';
+    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) c = ' ';
   while (!s.empty() && s.back() == ' ') s.pop_back();
+  if (s.size() > 2000) s = s.substr(0, 2000) + "...";
   return s;
 }
 
-void print_error(const std::string& msg) { std::cerr << "indexcp: error: " << one_line(msg) << std::endl; }
+// The whole line in one write: under `indexcp launch` a SIGTERM may follow at any moment, and a
+// line written in pieces could reach the launcher cut.
+void print_error(const std::string& msg) {
+  const std::string line = "indexcp: error: " + one_line(msg) + "\n";
+  std::fflush(stdout);
+  std::size_t done = 0;
+  while (done < line.size()) {
+    const ssize_t n = ::write(2, line.data() + done, line.size() - done);
+    if (n <= 0) break;
+    done += static_cast<std::size_t>(n);
+  }
+}
 
 int exit_code_of(const indexcp::Error& e) { return e.code() == indexcp::ErrorCode::kRuntime ? 1 : 2; }
 

@@ -823,7 +823,7 @@ int run_command(const RunOptions& opts) {
 
   if (as_rank) {
     // this rank's outcome for the launcher's merged report ($INDEXCP_REPORT_DIR/rank<r>.json)
-    if (const char* dir = std::getenv("INDEXCP_REPORT_DIR")) {
+    if (const char* dir = std::getenv("INDEXCP_REPORT_DIR"); dir && *dir) {
       json rr = {{"rank", env->rank}, {"cuda_device", env->device}, {"all_selections_equal_replicated", all_equal},
                  {"configs", json::array()}};
       for (const auto& c : configs)
@@ -831,7 +831,7 @@ int run_command(const RunOptions& opts) {
                                  {"sharding", c["sharding"]}, {"selections_equal_replicated", c["selections_equal_replicated"]},
                                  {"us_per_layer_per_rank", c["us_per_layer_per_rank"]},
                                  {"prefill_us_per_layer_per_rank", c["prefill_us_per_layer_per_rank"]}});
-      std::ofstream(std::string(dir) + "/rank" + std::to_string(env->rank) + ".json") << rr.dump() << "\n";
+      write_file_atomic(std::string(dir) + "/rank" + std::to_string(env->rank) + ".json", rr.dump() + "\n");
     }
     group->finalize();
   }
