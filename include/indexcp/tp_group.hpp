@@ -1,9 +1,12 @@
-// indexcp: one layer's indexer over all W ranks of a TP group inside one process, on a backend.
+// indexcp: one layer's indexer over the W ranks of a TP group, on a backend.
 //
-// This is what the command line, the replay and the end-to-end tests drive: it owns the W rank
-// caches (replicated or sharded, as the resolved config says), runs each collective step on W
-// threads through an in-process communicator, and returns every head's selection taken from the
-// head's owner rank. Backends: "cpu" (this library) and "cuda" (the CUDA backend, when built).
+// This is what the command line, the replay and the end-to-end tests drive. Simulated ranks
+// (make_cpu_tp_indexer, make_cuda_tp_indexer): it owns the W rank caches (replicated or sharded,
+// as the resolved config says), runs each collective step on W threads through an in-process
+// communicator, and returns every head's selection taken from the head's owner rank. One rank of
+// a group of processes (make_cuda_rank_indexer): it owns this process's rank cache, exchanges
+// through the caller's communicator (NCCL) and all-gathers the heads' selections. Backends: "cpu"
+// (this library) and "cuda" (the CUDA backend, when built).
 #pragma once
 
 #include <cstdint>
