@@ -550,8 +550,8 @@ int visible_gpus(const fs::path& dir) {
   if (cuda_available()) {
     const std::string cmd = "nvidia-smi -L > '" + (dir / "gpus.txt").string() + "' 2>/dev/null";
     if (std::system(cmd.c_str()) == 0) {
-      const std::string s = slurp(dir / "gpus.txt");
-      gpus = static_cast<int>(std::count(s.begin(), s.end(), '\n'));
+      std::istringstream lines(slurp(dir / "gpus.txt"));
+      for (std::string l; std::getline(lines, l);) gpus += l.rfind("GPU ", 0) == 0;  // not the MIG lines
     }
     if (const char* v = std::getenv("CUDA_VISIBLE_DEVICES"))  // nvidia-smi ignores it
       gpus = std::min(gpus, static_cast<int>(std::count(v, v + std::strlen(v), ',')) + (*v ? 1 : 0));

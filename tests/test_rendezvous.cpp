@@ -252,6 +252,10 @@ TEST(RankEnv, MalformedVariablesAreNamed) {
     ScopedEnv e{{"INDEXCP_WORLD", "two"}};
     expect_error([] { rank_env_from_env(); }, ErrorCode::kInvalidArgument, {"INDEXCP_WORLD = \"two\""});
   }
+  for (const char* w : {" 2", "+2", "2 ", "0x2", "2.0"}) {  // decimal digits only
+    ScopedEnv e{{"INDEXCP_WORLD", w}, {"INDEXCP_RANK", "0"}, {"INDEXCP_RENDEZVOUS", "/tmp/x"}};
+    expect_error([] { rank_env_from_env(); }, ErrorCode::kInvalidArgument, {"INDEXCP_WORLD = \"", "must be an integer"});
+  }
   {
     ScopedEnv e{{"INDEXCP_WORLD", "2"}};
     expect_error([] { rank_env_from_env(); }, ErrorCode::kInvalidArgument, {"INDEXCP_RANK is not set"});

@@ -140,7 +140,7 @@ do_bench_multi() {
 # The multi-process NCCL tests (issue 5, 8): the whole test_nccl binary (NcclSingle, NcclMulti,
 # NcclLaunch incl. the rank-death tests) and the CLI's two-process benchmark test.
 do_nccl() {
-  log "nccl tests: test_nccl + Cli.BenchDecodeAcrossTwoProcesses"
+  log "nccl tests: test_nccl + the CLI two-process and rank tests"
   timeout "${NCCL_TEST_TIMEOUT:-360}" "$BUILD_DIR/tests/test_nccl" --gtest_color=no > "$OUT/nccl-test.log" 2>&1
   log "test_nccl rc=$? $(grep -E '^\[  (PASSED|FAILED|SKIPPED) \]' "$OUT/nccl-test.log" | tr '\n' ' ')"
   (cd "$BUILD_DIR" && timeout 300 ctest -R 'Cli.*(AcrossTwoProcesses|AsARank)' --output-on-failure) > "$OUT/nccl-cli.log" 2>&1

@@ -41,7 +41,9 @@ long parse_int_env(const char* name, const char* v, long lo, long hi) {
   errno = 0;
   char* end = nullptr;
   const long x = std::strtol(v, &end, 10);
-  if (errno != 0 || end == v || *end != '\0' || x < lo || x > hi)
+  // decimal digits only: no sign, no spaces (strtol would skip leading ones)
+  const bool digits = std::isdigit(static_cast<unsigned char>(v[0])) != 0;
+  if (!digits || errno != 0 || end == v || *end != '\0' || x < lo || x > hi)
     throw Error(ErrorCode::kInvalidArgument, std::string(name) + " = \"" + v + "\" must be an integer in " +
                                                  std::to_string(lo) + ".." + std::to_string(hi));
   return x;
