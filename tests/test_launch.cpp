@@ -302,7 +302,9 @@ TEST(Launch, RanksDoNotOutliveAKilledLauncher) {
   TempDir d;
   const fs::path pids = d.path / "pids";
   fs::create_directory(pids);
-  const std::string script = "'" + std::string(INDEXCP_CLI_PATH) + "' launch --tp 2 -- sh -c 'echo $$ > \"" +
+  // TMPDIR: the killed launcher cannot remove its directory; it lands in d (removed by the test)
+  const std::string script = "TMPDIR='" + d.path.string() + "' '" + std::string(INDEXCP_CLI_PATH) +
+                             "' launch --tp 2 -- sh -c 'echo $$ > \"" +
                              pids.string() + "/$INDEXCP_RANK.tmp\" && mv \"" + pids.string() +
                              "/$INDEXCP_RANK.tmp\" \"" + pids.string() +
                              "/$INDEXCP_RANK\"; exec sleep 1000' >/dev/null 2>&1 & L=$!; for i in $(seq 200); do [ -s '" +

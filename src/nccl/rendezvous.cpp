@@ -152,15 +152,17 @@ std::optional<RankEnv> rank_env_from_env() {
 
 std::string make_unique_dir(const std::string& prefix, const std::string& parent) {
   std::string base = parent;
+  std::string from;  // where the parent came from, for the error
   if (base.empty()) {
     const char* t = env_or_null("TMPDIR");
     base = t ? t : "/tmp";
+    from = t ? " (TMPDIR)" : "";
   }
   std::string templ = base + "/" + prefix + "XXXXXX";
   std::vector<char> buf(templ.begin(), templ.end());
   buf.push_back('\0');
   if (!::mkdtemp(buf.data()))
-    throw Error(ErrorCode::kIo, "cannot create a directory in \"" + base + "\": " + errno_text(errno));
+    throw Error(ErrorCode::kIo, "cannot create a directory in \"" + base + "\"" + from + ": " + errno_text(errno));
   return std::string(buf.data());
 }
 
