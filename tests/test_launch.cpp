@@ -138,6 +138,17 @@ TEST(Launch, AFailureStopsTheOtherRanksQuickly) {
             "(the other ranks were stopped)");
 }
 
+// The summary counts only the ranks the launcher stopped: rank 1 finished on its own before rank 0
+// failed, rank 2 was still running.
+TEST(Launch, OnlyTheRanksStillRunningAreReportedStopped) {
+  TempDir d;
+  const auto t = launch(
+      "--tp 3 --grace 5 -- sh -c 'case $INDEXCP_RANK in 0) sleep 0.5; exit 6;; 1) exit 0;; *) sleep 1000;; esac'",
+      d.path);
+  EXPECT_EQ(t.r.status, 6) << t.r.err;
+  EXPECT_EQ(last_line(t.r.err), "indexcp: error: launch: rank 0 of 3 exited with status 6 (1 other rank was stopped)");
+}
+
 TEST(Launch, RankIgnoringSigtermIsKilledAfterTheGrace) {
   TempDir d;
   const auto t = launch(

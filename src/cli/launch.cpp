@@ -100,7 +100,8 @@ struct Stream {
 struct Rank {
   pid_t pid = -1;
   bool running = false;
-  int status = 0;  // waitpid status once reaped
+  bool stopped = false;  // still running when the launcher sent the stop (SIGTERM)
+  int status = 0;        // waitpid status once reaped
   double wall_s = 0.0;
   Stream out, err;
 };
@@ -370,8 +371,14 @@ int launch_command(const LaunchOptions& o) {
     stop_reason = why;
     exit_code = code;
     term_at = since(t0);
-    for (auto& rk : ranks)
+    for (auto& rk : ranks) {
+      // still running: not reaped, and not already exited (peeked at without reaping it)
+      siginfo_t info{};
+      rk.stopped = rk.running && rk.pid > 0 &&
+                   ::waitid(P_PID, static_cast<id_t>(rk.pid), &info, WEXITED | WNOHANG | WNOWAIT) == 0 &&
+                   info.si_pid == 0;
       if (rk.pid > 0 && group_alive(rk.pid)) ::kill(-rk.pid, SIGTERM);
+    }
   };
   if (!start_error.empty()) stop_all(start_error, start_code);
 
@@ -498,10 +505,15 @@ int launch_command(const LaunchOptions& o) {
   if (failed >= 0) {
     const std::string& last = ranks[static_cast<size_t>(failed)].err.last_line;
     if (!last.empty()) msg += "; its last line on stderr: " + shorten(last);
+    // only the ranks that were still running when the stop went out (not those that failed on
+    // their own at the same time: their statuses are in the report)
     const int others = static_cast<int>(std::count_if(ranks.begin(), ranks.end(), [&](const Rank& rk) {
-      return &rk != &ranks[static_cast<size_t>(failed)] && rk.pid > 0 && !(WIFEXITED(rk.status) && WEXITSTATUS(rk.status) == 0);
+      return &rk != &ranks[static_cast<size_t>(failed)] && rk.stopped;
     }));
-    if (others > 0) msg += " (the other ranks were stopped)";
+    if (others > 0)
+      msg += others + 1 == W ? std::string(" (the other ranks were stopped)")
+             : others == 1   ? std::string(" (1 other rank was stopped)")
+                             : " (" + std::to_string(others) + " other ranks were stopped)";
   }
   std::cout.flush();
   std::cerr << "indexcp: error: " << msg << std::endl;
