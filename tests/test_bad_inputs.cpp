@@ -192,6 +192,8 @@ std::vector<Entry> catalogue() {
   e.push_back({"CLI flag", "`indexcp launch --tp 2` (no command)", [] { return cli("launch --tp 2"); }});
   e.push_back({"CLI flag", "`indexcp launch --tp 2 --timeout 0 -- true`", [] { return cli("launch --tp 2 --timeout 0 -- true"); }});
   e.push_back({"CLI flag", "`indexcp launch --tp 2 --grace -1 -- true`", [] { return cli("launch --tp 2 --grace -1 -- true"); }});
+  e.push_back({"CLI flag", "`indexcp launch --tp 2 --grace 0x10 -- true` (hex)", [] { return cli("launch --tp 2 --grace 0x10 -- true"); }});
+  e.push_back({"file", "`indexcp run --json ''` (empty file name)", [] { return cli("run --json ''"); }});
   e.push_back({"file", "`indexcp launch --tp 2 -- indexcp-no-such-command`", [] { return cli("launch --tp 2 -- indexcp-no-such-command"); }});
   e.push_back({"file", "`indexcp launch --tp 2 -- case/case.json` (not executable)", [] { return cli("launch --tp 2 -- case/case.json"); }});
   e.push_back({"file", "`indexcp launch --tp 2 --report missing_dir/r.json -- true`",

@@ -8,6 +8,7 @@
 #include <filesystem>
 
 #include "commands.hpp"
+#include "validators.hpp"
 
 #include "bench/bench.hpp"
 #include "indexcp/error.hpp"
@@ -25,6 +26,7 @@ void add_common(CLI::App* c, bench::RunOptions& r) {
       ->capture_default_str();
   c->add_option("--out", r.out,
                 "JSON record to write; 'auto' = <benchmark>-<device>-<date>.json in the current directory")
+      ->check(non_empty_path())
       ->capture_default_str();
   c->add_flag_callback("--no-record", [&r] { r.out.clear(); }, "write no JSON record");
   c->add_option("--git-rev", r.git_rev, "git revision stored in the record (default: $INDEXCP_GIT_REV or unknown)");

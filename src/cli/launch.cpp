@@ -50,6 +50,7 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.hpp"
+#include "validators.hpp"
 #include "indexcp/error.hpp"
 #include "indexcp/rendezvous.hpp"
 
@@ -201,7 +202,8 @@ CLI::App* add_launch_subcommand(CLI::App& app, LaunchOptions& o) {
       ->check(seconds_in(0.0, 604800.0))
       ->capture_default_str();
   l->add_option("--report", o.report_path,
-                "write the merged JSON report (launcher status + each rank's $INDEXCP_REPORT_DIR/rank<r>.json) to FILE");
+                "write the merged JSON report (launcher status + each rank's $INDEXCP_REPORT_DIR/rank<r>.json) to FILE")
+      ->check(non_empty_path());
   l->add_option("command", o.command, "the command each rank runs, after --")->required();
   l->footer(
       "Example: indexcp launch --tp 2 --timeout 30 -- build/tests/test_nccl. Each rank's output lines are prefixed "

@@ -16,6 +16,7 @@
 #include "bench_cli.hpp"
 #include "commands.hpp"
 #include "launch.hpp"
+#include "validators.hpp"
 #include "indexcp/error.hpp"
 #include "indexcp/replay.hpp"
 #include "indexcp/tp_group.hpp"
@@ -143,7 +144,7 @@ static int real_main(int argc, char** argv) {
                   "memory budget per rank for the report's capacity section (minimax-m3, TP2 P128, NVFP4); "
                   "> 0, at most 1048576")
       ->capture_default_str();
-  run->add_option("--json", ro.json_path, "write the report as JSON to FILE");
+  run->add_option("--json", ro.json_path, "write the report as JSON to FILE")->check(non_empty_path());
   run->add_flag("-q,--quiet", ro.quiet, "no progress lines on stderr");
   run->footer(
       "Per request of L tokens: positions 0 .. L-C-S*Q-1 are inserted directly, the next C (--prefill-tokens) are "
@@ -159,7 +160,7 @@ static int real_main(int argc, char** argv) {
   bool scores = false;
   auto* rep = app.add_subcommand("replay", "Replay one indexer step stored as case.json + .npy arrays (spec/cases.md)");
   rep->add_option("CASE_DIR", case_dir, "the case directory")->required();
-  rep->add_option("--out", out_dir, "output directory (topk.npy, report.json, scores.npy)")->required();
+  rep->add_option("--out", out_dir, "output directory (topk.npy, report.json, scores.npy)")->required()->check(non_empty_path());
   rep->add_option("--backend", replay_backend, "cpu, cuda or auto")
       ->check(CLI::IsMember({"cpu", "cuda", "auto"}))
       ->capture_default_str();
@@ -188,7 +189,7 @@ static int real_main(int argc, char** argv) {
   cap->add_option("--page-size", co.page_size, "page size (engines' --block-size)")
       ->check(CLI::IsMember({128, 256}))
       ->capture_default_str();
-  cap->add_option("--json", co.json_path, "also write the plan as JSON to FILE");
+  cap->add_option("--json", co.json_path, "also write the plan as JSON to FILE")->check(non_empty_path());
 
   // ---- config
   ConfigOptions cfg;
