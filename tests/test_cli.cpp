@@ -228,6 +228,10 @@ TEST(Cli, RunSyntheticReportHasEveryField) {
   EXPECT_NE(r.err.find("[12/12]"), std::string::npos) << "progress lines on stderr: " << r.err;
   const json j = json::parse(slurp(d / "r.json"));
   EXPECT_EQ(j["backend"], "cpu");
+  EXPECT_EQ(j["processes"], 1);
+  EXPECT_EQ(j["num_gpus"], 0);
+  const char* rev = std::getenv("INDEXCP_GIT_REV");
+  EXPECT_EQ(j["git_rev"], (rev && *rev) ? rev : "unknown");
   EXPECT_EQ(j["data"]["source"], "synthetic");
   EXPECT_TRUE(j["data"]["name"].is_string());
   EXPECT_EQ(j["data"]["tokens"], 2 * 2304);

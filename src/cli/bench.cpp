@@ -49,7 +49,8 @@ BenchCommand::BenchCommand(CLI::App& app) : impl_(std::make_unique<Impl>()) {
   m.bench = app.add_subcommand("bench", "Benchmarks of the CUDA backend (spec/bench.md): decode, topk, insert, prefill, step");
   m.bench->require_subcommand(1);
   m.bench->footer(
-      "One GPU, TP ranks simulated on it. Each timed sequence is a CUDA graph replayed --replays times with L2 flushed "
+      "One GPU, TP ranks simulated on it (`bench decode` also runs as one rank per GPU under `indexcp launch --tp W`, "
+      "through NCCL). Each timed sequence is a CUDA graph replayed --replays times with L2 flushed "
       "before each; the table runs --repeats times. Copy bandwidth and FP8 matrix rate are measured in the same run. "
       "Prints a table, progress on stderr, and writes a JSON record (bench/plot.py turns records into charts).");
   for (int k = 0; k < 2; ++k) {
@@ -64,7 +65,7 @@ BenchCommand::BenchCommand(CLI::App& app) : impl_(std::make_unique<Impl>()) {
     c->add_option("--requests", o.requests, "requests per batch")->delimiter(',')->capture_default_str();
     c->add_option("--contexts", o.contexts, "context lengths in tokens")->delimiter(',')->capture_default_str();
     c->add_option("--pages", o.pages, "page sizes")->delimiter(',')->check(CLI::IsMember({128, 256}))->capture_default_str();
-    c->add_option("--tp", o.tp, "simulated TP size")->check(CLI::IsMember({2, 4, 8}))->capture_default_str();
+    c->add_option("--tp", o.tp, topk ? "simulated TP size" : "TP size (simulated; under `indexcp launch --tp W`: W, one rank per process)")->check(CLI::IsMember({2, 4, 8}))->capture_default_str();
     c->add_option("--heads", o.heads, "index heads")->check(CLI::Range(1, 64))->capture_default_str();
     c->add_option("--query-len", o.query_len, "queries per request (Q)")->check(CLI::Range(1, 16))->capture_default_str();
     c->add_option("--kv-dtype", o.kv_dtype, "index cache dtype")->check(CLI::IsMember({"nvfp4", "fp8"}))->capture_default_str();

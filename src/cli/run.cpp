@@ -767,6 +767,10 @@ int run_command(const RunOptions& opts) {
          "sharding on: bit-for-bit equal to the sharding-off run of the same kv_dtype, page size and TP on every "
          "prefill and decode step; sharding off: equal to the first sharding-off run of the same kv_dtype"}}},
       {"wall_s", now_s() - t_start}};
+  {  // the commit that ran, as the bench records carry it (INDEXCP_GIT_REV, set by the device scripts)
+    const char* rev = std::getenv("INDEXCP_GIT_REV");
+    report["git_rev"] = (rev && *rev) ? rev : "unknown";
+  }
   report["processes"] = as_rank ? env->world : 1;  // spec/bench.md's fields: ranks as processes, GPUs used
   report["num_gpus"] = as_rank ? env->world : (backend_used == "cuda" ? 1 : 0);
   if (as_rank) {
