@@ -36,6 +36,10 @@ namespace {
 
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
+#ifndef INDEXCP_TILE_UNROLL_N
+#define INDEXCP_TILE_UNROLL_N 1
+#endif
+[[maybe_unused]] constexpr int kTileUnroll = INDEXCP_TILE_UNROLL_N;  // tiles of a chunk interleaved (benchmarking aid)
 constexpr int kBuf = 2;         // half-stage buffers per warp
 constexpr int kHalfRows = 64;   // rows per half-stage; a work item ("pair") is 2 halves
 constexpr int kModeE4m3 = 0, kModeExact = 1, kModeFp8 = 2;
@@ -507,22 +511,25 @@ __global__ void __launch_bounds__(kThreads, 2) score_kernel(const ScoreArgs a) {
   // no block-table load on the compute side)
   auto issue = [&](const Cursor& c, uint8_t* dst, uint64_t* bar, int32_t* m) {
     const ReqInfo& ri = c.ri;
+    constexpr int kMaxCh = STOCK ? 1 : 4;  // chunks per half: 64 / R for R < 64 (R >= 16)
+    Chunk ch[kMaxCh];
+    bool ok[kMaxCh];
     uint32_t total_bytes = 0;
-    for (int k = 0; k < nch; ++k) {
-      Chunk ch;
-      const bool ok = half_chunk<STOCK, GATHER>(a, G, c.b, ri, c.s, c.h, k, &ch);
-      m[k] = ok ? ch.block : -1;
-      if (ok) total_bytes += ch.nrows * (ROWB + (MODE == kModeFp8 ? 0 : kNvfp4ScalesPerKey));
+#pragma unroll
+    for (int k = 0; k < kMaxCh; ++k) {  // each chunk computed once (one block-table load)
+      ok[k] = k < nch && half_chunk<STOCK, GATHER>(a, G, c.b, ri, c.s, c.h, k, &ch[k]);
+      if (k < nch) m[k] = ok[k] ? ch[k].block : -1;
+      if (ok[k]) total_bytes += ch[k].nrows * (ROWB + (MODE == kModeFp8 ? 0 : kNvfp4ScalesPerKey));
     }
     if (a.debug & 2) return;  // benchmarking aid: no loads
     mbar_arrive_expect_tx(bar, total_bytes);
-    for (int k = 0; k < nch; ++k) {
-      Chunk ch;
-      if (!half_chunk<STOCK, GATHER>(a, G, c.b, ri, c.s, c.h, k, &ch)) continue;
-      bulk_g2s(dst + k * ch.nrows * ROWB, ch.data, ch.nrows * ROWB, bar);
+#pragma unroll
+    for (int k = 0; k < kMaxCh; ++k) {
+      if (!ok[k]) continue;
+      bulk_g2s(dst + k * ch[k].nrows * ROWB, ch[k].data, ch[k].nrows * ROWB, bar);
       if (MODE != kModeFp8)
-        bulk_g2s(dst + kHalfRows * ROWB + k * ch.nrows * kNvfp4ScalesPerKey, ch.scales,
-                 ch.nrows * kNvfp4ScalesPerKey, bar);
+        bulk_g2s(dst + kHalfRows * ROWB + k * ch[k].nrows * kNvfp4ScalesPerKey, ch[k].scales,
+                 ch[k].nrows * kNvfp4ScalesPerKey, bar);
     }
   };
 
@@ -634,6 +641,9 @@ __global__ void __launch_bounds__(kThreads, 2) score_kernel(const ScoreArgs a) {
                        *reinterpret_cast<const uint32_t*>(st + kHalfRows * ROWB + (c * ch.nrows + r) * 8 + 4);
               neg = __any_sync(0xffffffffu, (orx & 0x80808080u) != 0);
             }
+#if INDEXCP_TILE_UNROLL_N > 1
+#pragma unroll kTileUnroll
+#endif
             for (int t = 0; t < ch.nrows / 16; ++t) {
               if (neg) score_tile<MODE, NT, true>(st, c * ch.nrows + t * 16, g, t4, lut, bq, rm);
               else score_tile<MODE, NT, false>(st, c * ch.nrows + t * 16, g, t4, lut, bq, rm);

@@ -167,36 +167,49 @@ __device__ __forceinline__ void write_all_visible(int64_t n, int32_t K, int32_t*
   for (int k = threadIdx.x & 31; k < K; k += 32) o[k] = k < n ? k : -1;
 }
 
-__global__ void __launch_bounds__(kWarpsPerCta * 32) select_warp_kernel(const SelectLaunch s) {
-  __shared__ WarpSmem shm[kWarpsPerCta];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t problem = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + warp;
-  if (problem >= s.rows.rows * s.nh) return;
-  WarpSmem& sh = shm[warp];
-  const int64_t row = problem / s.nh;
-  const int32_t hh = static_cast<int32_t>(problem % s.nh);
-  const int64_t pos = row_position(s.rows, row);
-  const int64_t n_vis = pos < 0 ? 0 : pos / kBlockTokens + 1;
-  const SelectionParams sel = s.sel;
-  const int32_t kk = sel.topk - 1 - sel.init_blocks;
-  const float* sc = s.scores + (row * s.nh + hh) * s.max_blocks;
-  const int32_t local = static_cast<int32_t>(n_vis - 1);
-  const int32_t nc = local - sel.init_blocks;  // candidates: blocks init .. local-1
-  const int32_t init = sel.init_blocks;
-  const bool publish = s.cands != nullptr;
-  Candidate* oc = publish ? s.cands + (row * s.nh + hh) * kk : nullptr;
-  int32_t* o = publish ? nullptr : s.out + (row * s.out_heads + s.out_h0 + hh) * sel.topk;
-  if (n_vis <= sel.topk) {
-    if (publish)
-      for (int k = lane; k < kk; k += 32) oc[k] = Candidate{-INFINITY, -1};
-    else
-      write_all_visible(n_vis, sel.topk, o);
-    return;
+// One (row, head) problem of select / publish, as both kernels see it: the visible blocks, the
+// candidates (blocks init .. local-1), the outputs, and the candidate key of spec/indexer.md
+// section 3 (publish: only blocks of which this rank stores rows, and the block filter).
+struct SelectProblem {
+  int64_t row, n_vis;
+  int32_t hh, kk, init, local, n;  // n: candidates
+  bool publish;
+  const float* sc;
+  Candidate* oc;  // publish: kk candidates
+  int32_t* o;     // select: topk ids
+  int32_t P, R, lo_off, fmod, fres;
+
+  __device__ __forceinline__ SelectProblem(const SelectLaunch& s, int64_t problem) {
+    row = problem / s.nh;
+    hh = static_cast<int32_t>(problem % s.nh);
+    const int64_t pos = row_position(s.rows, row);
+    n_vis = pos < 0 ? 0 : pos / kBlockTokens + 1;
+    kk = s.sel.topk - 1 - s.sel.init_blocks;
+    init = s.sel.init_blocks;
+    local = static_cast<int32_t>(n_vis - 1);
+    n = local - init;
+    sc = s.scores + (row * s.nh + hh) * s.max_blocks;
+    publish = s.cands != nullptr;
+    oc = publish ? s.cands + (row * s.nh + hh) * kk : nullptr;
+    o = publish ? nullptr : s.out + (row * s.out_heads + s.out_h0 + hh) * s.sel.topk;
+    P = s.layout.page_size;
+    R = s.layout.rows();
+    lo_off = s.rank * R;
+    fmod = s.filter.modulus;
+    fres = s.filter.residue;
   }
-  // candidate keys (publish: only blocks of which this rank stores rows, and the block filter)
-  const int32_t P = s.layout.page_size, R = s.layout.rows(), lo_off = s.rank * R;
-  const int32_t fmod = s.filter.modulus, fres = s.filter.residue;
-  auto key_global = [&](int32_t i) -> uint32_t {
+  // Rows with at most topk visible blocks take them all (publish: no candidates); true when done.
+  // Thread t of `threads` writes every threads-th entry.
+  __device__ __forceinline__ bool write_trivial(int32_t topk, int t, int threads) const {
+    if (n_vis > topk) return false;
+    if (publish)
+      for (int k = t; k < kk; k += threads) oc[k] = Candidate{-INFINITY, -1};
+    else
+      for (int k = t; k < topk; k += threads) o[k] = k < n_vis ? k : -1;
+    return true;
+  }
+  // K of candidate i (block init + i); 0 when it is not a candidate
+  __device__ __forceinline__ uint32_t key(int32_t i) const {
     const int32_t b = init + i;
     if (publish) {
       if (fmod > 1 && b % fmod != fres) return 0u;
@@ -204,7 +217,24 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) select_warp_kernel(const Se
       if (!(u0 < lo_off + R && lo_off < u0 + kBlockTokens)) return 0u;  // no rows on this rank
     }
     return score_key(sc[b]) + 1u;
-  };
+  }
+};
+
+__global__ void __launch_bounds__(kWarpsPerCta * 32) select_warp_kernel(const SelectLaunch s) {
+  __shared__ WarpSmem shm[kWarpsPerCta];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t problem = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + warp;
+  if (problem >= s.rows.rows * s.nh) return;
+  WarpSmem& sh = shm[warp];
+  const SelectProblem pb(s, problem);
+  const SelectionParams sel = s.sel;
+  const int32_t kk = pb.kk, local = pb.local, nc = pb.n, init = pb.init;
+  const bool publish = pb.publish;
+  const float* sc = pb.sc;
+  Candidate* oc = pb.oc;
+  int32_t* o = pb.o;
+  if (pb.write_trivial(sel.topk, lane, 32)) return;
+  auto key_global = [&](int32_t i) -> uint32_t { return pb.key(i); };
   // stage the keys; publish compacts them to the blocks this rank stores (so that a periodic
   // validity pattern, e.g. every other block at P256, cannot defeat the per-lane filter)
   const bool staged = nc <= kStaged;
@@ -318,39 +348,15 @@ struct SelSmem {
 __global__ void __launch_bounds__(kSelThreads) select_cta_kernel(const SelectLaunch s) {
   __shared__ SelSmem sh;
   const int tid = threadIdx.x;
-  const int64_t problem = blockIdx.x;
-  const int64_t row = problem / s.nh;
-  const int32_t hh = static_cast<int32_t>(problem % s.nh);
-  const int64_t pos = row_position(s.rows, row);
-  const int64_t n_vis = pos < 0 ? 0 : pos / kBlockTokens + 1;
+  const SelectProblem pb(s, blockIdx.x);
   const SelectionParams sel = s.sel;
-  const int32_t kk = sel.topk - 1 - sel.init_blocks;
-  const float* sc = s.scores + (row * s.nh + hh) * s.max_blocks;
-  const int32_t local = static_cast<int32_t>(n_vis - 1);
-  const int32_t n = local - sel.init_blocks;  // candidates: blocks init .. local-1
-  const int32_t init = sel.init_blocks;
-  const bool publish = s.cands != nullptr;
-  Candidate* oc = publish ? s.cands + (row * s.nh + hh) * kk : nullptr;
-  int32_t* o = publish ? nullptr : s.out + (row * s.out_heads + s.out_h0 + hh) * sel.topk;
-  if (n_vis <= sel.topk) {
-    if (publish)
-      for (int k = tid; k < kk; k += kSelThreads) oc[k] = Candidate{-INFINITY, -1};
-    else
-      for (int k = tid; k < sel.topk; k += kSelThreads) o[k] = k < n_vis ? k : -1;
-    return;
-  }
-  // candidate keys (publish: only blocks of which this rank stores rows, and the block filter)
-  const int32_t P = s.layout.page_size, R = s.layout.rows(), lo_off = s.rank * R;
-  const int32_t fmod = s.filter.modulus, fres = s.filter.residue;
-  auto key_global = [&](int32_t i) -> uint32_t {
-    const int32_t b = init + i;
-    if (publish) {
-      if (fmod > 1 && b % fmod != fres) return 0u;
-      const int32_t u0 = (b * kBlockTokens) & (P - 1);  // the block's first page offset (P = 128 or 256)
-      if (!(u0 < lo_off + R && lo_off < u0 + kBlockTokens)) return 0u;  // no rows on this rank
-    }
-    return score_key(sc[b]) + 1u;
-  };
+  const int32_t kk = pb.kk, local = pb.local, n = pb.n, init = pb.init;
+  const bool publish = pb.publish;
+  const float* sc = pb.sc;
+  Candidate* oc = pb.oc;
+  int32_t* o = pb.o;
+  if (pb.write_trivial(sel.topk, tid, kSelThreads)) return;
+  auto key_global = [&](int32_t i) -> uint32_t { return pb.key(i); };
   const bool staged = n <= kSelStaged;
   int nonzero = 0;
   if (staged) {

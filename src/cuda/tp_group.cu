@@ -65,11 +65,20 @@ class CudaTpIndexer final : public TpIndexer {
     if (group_) {
       // a blocking stream: its work waits for the legacy stream's (the cache's zero fill, the
       // batch uploads by cudaMemcpy, which may return before a pageable copy has landed)
+      // all three or none (a failure part way releases what was made: the destructor does not run)
       cudaStream_t s = nullptr;
-      cuda::detail::check(cudaStreamCreate(&s), "cudaStreamCreate");
+      cudaEvent_t e0 = nullptr, e1 = nullptr;
+      cudaError_t err = cudaStreamCreate(&s);
+      if (err == cudaSuccess) err = cudaEventCreate(&e0);
+      if (err == cudaSuccess) err = cudaEventCreate(&e1);
+      if (err != cudaSuccess) {
+        if (e0) cudaEventDestroy(e0);
+        if (s) cudaStreamDestroy(s);
+        cuda::detail::check(err, "cudaStreamCreate / cudaEventCreate (the rank's stream and timing events)");
+      }
       stream_ = s;
-      cuda::detail::check(cudaEventCreate(&ev_start_), "cudaEventCreate");
-      cuda::detail::check(cudaEventCreate(&ev_end_), "cudaEventCreate");
+      ev_start_ = e0;
+      ev_end_ = e1;
     }
   }
   ~CudaTpIndexer() override {
