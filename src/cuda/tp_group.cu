@@ -241,6 +241,7 @@ class CudaTpIndexer final : public TpIndexer {
     const size_t per_rank = static_cast<size_t>(rows) * nh * sel.topk;
     cuda::detail::DeviceBuffer<int32_t> out(std::max<size_t>(1, per_rank)), all_dev(std::max<size_t>(1, per_rank * W));
     const size_t sent0 = group_->bytes_sent();
+    size_t step_sent = 0;  // the step's collectives only, not the selection all-gather below
     float busy_ms = 0;
     try {
       // the step's time on this rank: its stream from the first to the last of its work (events;
@@ -250,6 +251,7 @@ class CudaTpIndexer final : public TpIndexer {
       cuda::detail::check(cudaEventRecord(ev_end_, stream_), "cudaEventRecord");
       group_->synchronize(stream_);
       cuda::detail::check(cudaEventElapsedTime(&busy_ms, ev_start_, ev_end_), "cudaEventElapsedTime");
+      step_sent = group_->bytes_sent() - sent0;
       if (per_rank) group_->all_gather(out.get(), all_dev.get(), per_rank * sizeof(int32_t), stream_);
       group_->synchronize(stream_);
     } catch (...) {
@@ -262,7 +264,6 @@ class CudaTpIndexer final : public TpIndexer {
       throw;
     }
     const double busy = static_cast<double>(busy_ms) * 1e3;
-    const size_t step_sent = group_->bytes_sent() - sent0;
     std::vector<int32_t> gathered(per_rank * W);
     if (!gathered.empty())
       cuda::detail::check(cudaMemcpy(gathered.data(), all_dev.get(), gathered.size() * sizeof(int32_t), cudaMemcpyDeviceToHost),
