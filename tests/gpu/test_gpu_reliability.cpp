@@ -4,7 +4,7 @@
 //     the very end of their allocations, so an over-read crosses the allocation end, which
 //     compute-sanitizer memcheck reports), and never writes the cache;
 //   - launch-configuration determinism: block scores and selections are bit-identical for every
-//     persistent grid size of the scorer (INDEXCP_SCORE_CTAS, read at every launch), across
+//     x size of the scorer's grid (INDEXCP_SCORE_CTAS, read at every launch), across
 //     repeated runs and across streams;
 //   - faults: allocation failures (cache, DecodeStep workspace, per-call transients) throw
 //     Error(kRuntime) naming the CUDA call and leave the library working and the caches
@@ -372,8 +372,9 @@ INSTANTIATE_TEST_SUITE_P(All, GpuReliabilityBuffers,
 
 // ---- 2. launch-configuration determinism ------------------------------------------------------
 
-// The scorer's persistent grid (x) is occupancy x SMs unless INDEXCP_SCORE_CTAS overrides it;
-// score.cu reads the variable at every launch, so it is set between runs here. Random (not
+// The scorer's grid x (CTAs sharing each query slice's work items) is ceil(2 x occupancy x SMs /
+// slices), at most occupancy x SMs, unless INDEXCP_SCORE_CTAS overrides it; score.cu reads the
+// variable at every launch, so it is set between runs here. Random (not
 // exact) data: fp32 accumulation order matters, and must not depend on the grid.
 TEST(GpuReliabilityDeterminism, BitIdenticalAcrossGridSizesRunsAndStreams) {
   REQUIRE_GPU();
