@@ -670,9 +670,9 @@ void launch_t(const ScoreArgs& a, dim3 grid, cudaStream_t stream) {
   int per_sm = 0;
   check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, kThreads, smem), "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
   dim3 g = grid;
-  // CTAs along x share each query slice's work items; about two waves of CTAs over all slices
-  // (grid.y of them: prefill chunks have hundreds), not a full wave per slice, whose CTAs would
-  // each get a few items or none and spend the launch on their prologue
+  // CTAs along x share each query slice's work items: ceil(2 x resident / slices) per slice, two
+  // to four waves over all slices (grid.y: prefill chunks have hundreds), not a full wave per
+  // slice, whose CTAs would each get a few items or none and spend the launch on their prologue
   const int64_t resident = static_cast<int64_t>(std::max(1, per_sm)) * sm_count();
   g.x = static_cast<unsigned>(std::clamp<int64_t>(ceil_div(2 * resident, static_cast<int64_t>(grid.y)), 1, resident));
   if (const char* e = std::getenv("INDEXCP_SCORE_CTAS")) g.x = static_cast<unsigned>(std::max(1, std::atoi(e)));
