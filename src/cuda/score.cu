@@ -21,9 +21,12 @@
 //   - NVFP4, exact rounding: fp16 of |e2m1| by prmt, sign, times the scale (hmul2, exact).
 #include <cuda_fp16.h>
 
+#include <cub/block/block_scan.cuh>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <vector>
 
@@ -38,6 +41,7 @@ constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kBuf = 2;         // half-stage buffers per warp
 constexpr int kHalfRows = 64;   // rows per half-stage; a work item ("pair") is 2 halves
+constexpr int kPlanLocal = 2048;  // requests up to which each CTA computes the plan itself
 constexpr int kModeE4m3 = 0, kModeExact = 1, kModeFp8 = 2;
 
 __device__ uint2 g_khat_lut[256];
@@ -52,7 +56,9 @@ struct ScoreArgs {
   int32_t filter_mod, filter_res;
   float* scores;
   int64_t max_blocks;
-  const int32_t* plan;  // [num_requests + 1] prefix sums of work items (pairs)
+  const int32_t* plan;  // [num_requests + 1] prefix sums of work items (pairs), from plan_kernel
+  int32_t plan_local;   // 1: every CTA computes the plan into its shared memory (num_requests <=
+                        // kPlanLocal), and plan_kernel is not launched
   int32_t debug;        // benchmarking aid (INDEXCP_SCORE_DEBUG): 1 = no arithmetic, 2 = no loads
 };
 
@@ -191,6 +197,12 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t by
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes)
                : "memory");
 }
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   asm volatile(
       "{\n"
@@ -273,32 +285,51 @@ constexpr int half_bytes() {
 }
 template <int MODE, int NT>
 constexpr int score_smem_bytes() {
-  return kWarps * kBuf * half_bytes<MODE>() + 256 * 8 + 8 * NT * 32 * 8 + kWarps * kBuf * 8 + kWarps * kBuf * 4 * 4;
+  return kWarps * kBuf * half_bytes<MODE>() + 256 * 8 + 8 * NT * 32 * 8 + kWarps * kBuf * 8 + kWarps * kBuf * 4 * 4 +
+         (kPlanLocal + 1) * 4;
 }
 
-// B fragments of k-step s: registers (NT <= 2) or shared memory (NT = 4, to stay under 128
-// registers at 16 warps per multiprocessor).
+// B fragments (the query vectors) of k-step s: registers (NT <= 2) or shared memory (NT = 4, to
+// stay under 128 registers at 16 warps per multiprocessor). Shared layout: [8 k-steps][NT / NW
+// n-tile groups][32 lanes][NW] uint2 with NW = min(NT, 2) n-tiles per group, so a lane reads the
+// fragments of two n-tiles with one 16-byte load and a warp's load is contiguous (no bank
+// conflicts).
 template <int NT>
 struct BFrags {
   static constexpr bool kReg = NT <= 2;
+  static constexpr int NW = NT < 2 ? NT : 2, NG = NT / NW;
+  __host__ __device__ static constexpr int index(int s, int nt, int lane) {
+    return ((s * NG + nt / NW) * 32 + lane) * NW + nt % NW;
+  }
   uint32_t r[kReg ? 8 : 1][kReg ? NT : 1][2];
   const uint2* smem;
   __device__ __forceinline__ void load(const uint2* qf, int lane) {
-    smem = qf + lane;
+    smem = qf + lane * NW;
     if (kReg) {
 #pragma unroll
       for (int s = 0; s < 8; ++s)
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-          const uint2 v = qf[(s * NT + nt) * 32 + lane];
+          const uint2 v = qf[index(s, nt, lane)];
           r[kReg ? s : 0][kReg ? nt : 0][0] = v.x;
           r[kReg ? s : 0][kReg ? nt : 0][1] = v.y;
         }
     }
   }
-  __device__ __forceinline__ uint2 get(int s, int nt) const {
-    if (kReg) return make_uint2(r[kReg ? s : 0][kReg ? nt : 0][0], r[kReg ? s : 0][kReg ? nt : 0][1]);
-    return smem[(s * NT + nt) * 32];
+  // the NT fragments of k-step s
+  __device__ __forceinline__ void get(int s, uint2 (&bb)[NT]) const {
+    if (kReg) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        bb[nt] = make_uint2(r[kReg ? s : 0][kReg ? nt : 0][0], r[kReg ? s : 0][kReg ? nt : 0][1]);
+    } else {
+#pragma unroll
+      for (int gi = 0; gi < NG; ++gi) {
+        const uint4 v = *reinterpret_cast<const uint4*>(smem + (s * NG + gi) * 32 * NW);
+        bb[gi * NW] = make_uint2(v.x, v.y);
+        bb[gi * NW + 1] = make_uint2(v.z, v.w);
+      }
+    }
   }
 };
 
@@ -323,11 +354,10 @@ __device__ __forceinline__ void score_tile(const uint8_t* st, int rb, int g, int
       uint32_t A[4];
       expand_fp8(x0[s], &A[0], &A[2]);
       expand_fp8(x1[s], &A[1], &A[3]);
+      uint2 bb[NT];
+      bq.get(s, bb);
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const uint2 bb = bq.get(s, nt);
-        mma16816(acc[nt], A, bb.x, bb.y);
-      }
+      for (int nt = 0; nt < NT; ++nt) mma16816(acc[nt], A, bb[nt].x, bb[nt].y);
     }
   } else {
     const uint4 a0 = *reinterpret_cast<const uint4*>(st + r0 * ROWB + t4 * 16);
@@ -368,11 +398,10 @@ __device__ __forceinline__ void score_tile(const uint8_t* st, int rb, int g, int
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const uint32_t A[4] = {h0[2 * e], h1[2 * e], h0[2 * e + 1], h1[2 * e + 1]};
+        uint2 bb[NT];
+        bq.get(2 * j + e, bb);
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          const uint2 bb = bq.get(2 * j + e, nt);
-          mma16816(acc[nt], A, bb.x, bb.y);
-        }
+        for (int nt = 0; nt < NT; ++nt) mma16816(acc[nt], A, bb[nt].x, bb[nt].y);
       }
     }
   }
@@ -383,44 +412,31 @@ __device__ __forceinline__ void score_tile(const uint8_t* st, int rb, int g, int
   }
 }
 
-// Prefix sums of work items per request (the plan; graph-safe: reads seq_lens at run time).
-template <bool GATHER>
-__global__ void plan_kernel(const ScoreArgs a, int32_t* plan) {
-  __shared__ int32_t carry;
-  if (threadIdx.x == 0) carry = 0;
-  __syncthreads();
-  for (int32_t base = 0; base < a.rows.num_requests; base += blockDim.x) {
-    const int32_t b = base + threadIdx.x;
-    int32_t v = 0;
-    if (b < a.rows.num_requests) v = num_pairs<GATHER>(a, request_info(a, b));
-    // block-wide inclusive scan (blockDim = 1024, 32 warps)
-    __shared__ int32_t wsum[32];
-    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-    int32_t x = v;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const int32_t y = __shfl_up_sync(0xffffffffu, x, off);
-      if (lane >= off) x += y;
-    }
-    if (lane == 31) wsum[wid] = x;
-    __syncthreads();
-    if (wid == 0) {
-      int32_t y = wsum[lane];
-#pragma unroll
-      for (int off = 1; off < 32; off <<= 1) {
-        const int32_t z = __shfl_up_sync(0xffffffffu, y, off);
-        if (lane >= off) y += z;
-      }
-      wsum[lane] = y;
-    }
-    __syncthreads();
-    const int32_t incl = x + (wid ? wsum[wid - 1] : 0) + carry;
-    if (b < a.rows.num_requests) plan[b + 1] = incl;
-    __syncthreads();
-    if (threadIdx.x == blockDim.x - 1) carry = incl;
-    __syncthreads();
+// Prefix sums of work items per request (the plan; graph-safe: reads seq_lens at run time):
+// plan[0] = 0, plan[b + 1] = pairs of requests 0..b. THREADS threads of one CTA, all of them
+// calling; ends with a barrier, so plan may be shared memory.
+template <bool GATHER, int THREADS>
+__device__ __forceinline__ void plan_block(const ScoreArgs& a, int32_t* plan,
+                                           typename cub::BlockScan<int32_t, THREADS>::TempStorage& tmp) {
+  int32_t carry = 0;
+  for (int32_t base = 0; base < a.rows.num_requests; base += THREADS) {
+    const int32_t b = base + static_cast<int32_t>(threadIdx.x);
+    const int32_t v = b < a.rows.num_requests ? num_pairs<GATHER>(a, request_info(a, b)) : 0;
+    int32_t incl, total;
+    cub::BlockScan<int32_t, THREADS>(tmp).InclusiveSum(v, incl, total);
+    if (b < a.rows.num_requests) plan[b + 1] = carry + incl;
+    carry += total;
+    __syncthreads();  // tmp is reused
   }
   if (threadIdx.x == 0) plan[0] = 0;
+  __syncthreads();
+}
+
+// The plan in global memory, for batches of more than kPlanLocal requests.
+template <bool GATHER>
+__global__ void __launch_bounds__(1024) plan_kernel(const ScoreArgs a, int32_t* plan) {
+  __shared__ typename cub::BlockScan<int32_t, 1024>::TempStorage tmp;
+  plan_block<GATHER, 1024>(a, plan, tmp);
 }
 
 template <int MODE, int NT, bool STOCK, bool GATHER>
@@ -429,15 +445,25 @@ __global__ void __launch_bounds__(kThreads, 2) score_kernel(const ScoreArgs a) {
   constexpr int HALF = half_bytes<MODE>();
   constexpr int ROWB = MODE == kModeFp8 ? kHeadDim : kNvfp4DataBytesPerKey;
   constexpr float kScale = MODE == kModeExact ? 1.0f : 256.0f;
+  __shared__ int32_t scol[NT * 8];  // output columns of the CTA's query vectors (per request; the
+                                    // same for every warp, not held in registers: NT = 4 spilled)
   uint8_t* stages = smem;
   uint2* lut = reinterpret_cast<uint2*>(smem + kWarps * kBuf * HALF);
   uint2* qf = lut + 256;                                           // [8][NT][32]
   uint64_t* bars = reinterpret_cast<uint64_t*>(qf + 8 * NT * 32);  // [kWarps][kBuf]
   int32_t* meta = reinterpret_cast<int32_t*>(bars + kWarps * kBuf);  // [kWarps][kBuf][4]: chunk blocks
 
-  // this CTA's share of the work items of all requests
+  // the plan (computed here for up to kPlanLocal requests: no separate kernel, no global loads in
+  // the cursor), then this CTA's share of the work items of all requests
   const int32_t B = a.rows.num_requests;
-  const int64_t total = a.plan[B];
+  const int32_t* plan = a.plan;
+  if (a.plan_local) {
+    __shared__ typename cub::BlockScan<int32_t, kThreads>::TempStorage scan_tmp;
+    int32_t* splan = reinterpret_cast<int32_t*>(meta + kWarps * kBuf * 4);  // [kPlanLocal + 1]
+    plan_block<GATHER, kThreads>(a, splan, scan_tmp);
+    plan = splan;
+  }
+  const int64_t total = plan[B];
   const int64_t p0 = total * blockIdx.x / gridDim.x, p1 = total * (blockIdx.x + 1) / gridDim.x;
   if (p0 >= p1) return;
   const int32_t n0 = blockIdx.y * NT * 8;
@@ -458,7 +484,7 @@ __global__ void __launch_bounds__(kThreads, 2) score_kernel(const ScoreArgs a) {
     int32_t lo = 0, hi = B - 1;  // largest b with plan[b] <= p0
     while (lo < hi) {
       const int32_t mid = (lo + hi + 1) >> 1;
-      if (a.plan[mid] <= p0) lo = mid;
+      if (plan[mid] <= p0) lo = mid;
       else hi = mid - 1;
     }
     b_first = lo;
@@ -475,14 +501,14 @@ __global__ void __launch_bounds__(kThreads, 2) score_kernel(const ScoreArgs a) {
     ReqInfo ri;
   };
   auto seg_of = [&](int32_t b, int32_t* s0, int32_t* s1) {
-    const int64_t lo = a.plan[b] > p0 ? a.plan[b] : p0;
-    const int64_t hi = a.plan[b + 1] < p1 ? a.plan[b + 1] : p1;
-    *s0 = static_cast<int32_t>(lo - a.plan[b]);
-    *s1 = static_cast<int32_t>(hi - a.plan[b]);
+    const int64_t lo = plan[b] > p0 ? plan[b] : p0;
+    const int64_t hi = plan[b + 1] < p1 ? plan[b + 1] : p1;
+    *s0 = static_cast<int32_t>(lo - plan[b]);
+    *s1 = static_cast<int32_t>(hi - plan[b]);
   };
   auto first_of = [&](int32_t b, Cursor* c) {  // first item of request b at or after b
     for (; b < B; ++b) {
-      if (a.plan[b] >= p1) break;
+      if (plan[b] >= p1) break;
       int32_t s0, s1;
       seg_of(b, &s0, &s1);
       if (s0 + warp < s1) {
@@ -506,27 +532,33 @@ __global__ void __launch_bounds__(kThreads, 2) score_kernel(const ScoreArgs a) {
   // the buffer's meta slots, which the warp reads after the mbarrier wait (no recomputation and
   // no block-table load on the compute side)
   auto issue = [&](const Cursor& c, uint8_t* dst, uint64_t* bar, int32_t* m) {
-    const ReqInfo& ri = c.ri;
-    constexpr int kMaxCh = STOCK ? 1 : 4;  // chunks per half: 64 / R for R < 64 (R >= 16)
-    Chunk ch[kMaxCh];
-    bool ok[kMaxCh];
-    uint32_t total_bytes = 0;
-#pragma unroll
-    for (int k = 0; k < kMaxCh; ++k) {  // each chunk computed once (one block-table load)
-      ok[k] = k < nch && half_chunk<STOCK, GATHER>(a, G, c.b, ri, c.s, c.h, k, &ch[k]);
-      if (k < nch) m[k] = ok[k] ? ch[k].block : -1;
-      if (ok[k]) total_bytes += ch[k].nrows * (ROWB + (MODE == kModeFp8 ? 0 : kNvfp4ScalesPerKey));
+    constexpr int kRowBytes = ROWB + (MODE == kModeFp8 ? 0 : kNvfp4ScalesPerKey);
+    if constexpr (STOCK) {  // one chunk: arrive and expect its bytes in one barrier operation
+      Chunk ch;
+      const bool ok = half_chunk<STOCK, GATHER>(a, G, c.b, c.ri, c.s, c.h, 0, &ch);
+      m[0] = ok ? ch.block : -1;
+      if (a.debug & 2) return;  // benchmarking aid: no loads
+      mbar_arrive_expect_tx(bar, ok ? ch.nrows * kRowBytes : 0);
+      if (!ok) return;
+      bulk_g2s(dst, ch.data, ch.nrows * ROWB, bar);
+      if (MODE != kModeFp8) bulk_g2s(dst + kHalfRows * ROWB, ch.scales, ch.nrows * kNvfp4ScalesPerKey, bar);
+      return;
     }
-    if (a.debug & 2) return;  // benchmarking aid: no loads
-    mbar_arrive_expect_tx(bar, total_bytes);
-#pragma unroll
-    for (int k = 0; k < kMaxCh; ++k) {
-      if (!ok[k]) continue;
-      bulk_g2s(dst + k * ch[k].nrows * ROWB, ch[k].data, ch[k].nrows * ROWB, bar);
+    // shard pages (up to 4 chunks): chunk by chunk, its bytes announced on the barrier
+    // (expect_tx), then its copies; one arrive at the end completes the phase once every copy
+    // has landed (no per-chunk arrays: they made the non-stock scorers spill)
+    for (int k = 0; k < nch; ++k) {
+      Chunk ch;
+      const bool ok = half_chunk<STOCK, GATHER>(a, G, c.b, c.ri, c.s, c.h, k, &ch);
+      m[k] = ok ? ch.block : -1;
+      if (!ok || (a.debug & 2)) continue;
+      mbar_expect_tx(bar, ch.nrows * kRowBytes);
+      bulk_g2s(dst + k * ch.nrows * ROWB, ch.data, ch.nrows * ROWB, bar);
       if (MODE != kModeFp8)
-        bulk_g2s(dst + kHalfRows * ROWB + k * ch[k].nrows * kNvfp4ScalesPerKey, ch[k].scales,
-                 ch[k].nrows * kNvfp4ScalesPerKey, bar);
+        bulk_g2s(dst + kHalfRows * ROWB + k * ch.nrows * kNvfp4ScalesPerKey, ch.scales,
+                 ch.nrows * kNvfp4ScalesPerKey, bar);
     }
+    if (!(a.debug & 2)) mbar_arrive(bar);
   };
 
   Cursor pre;  // the prefetch cursor runs kBuf items ahead of the compute
@@ -546,7 +578,7 @@ __global__ void __launch_bounds__(kThreads, 2) score_kernel(const ScoreArgs a) {
                                  : ((STOCK || G.R >= kHalfRows) ? kHalfRows : G.R);  // rows per chunk
 
   const float kNaN = __int_as_float(0x7fc00000);
-  for (int32_t b = b_first; b < B && a.plan[b] < p1; ++b) {
+  for (int32_t b = b_first; b < B && plan[b] < p1; ++b) {
     int32_t s0, s1;
     seg_of(b, &s0, &s1);
     if (s0 >= s1) continue;
@@ -554,8 +586,9 @@ __global__ void __launch_bounds__(kThreads, 2) score_kernel(const ScoreArgs a) {
     const int32_t nvec = ri.cnt * a.nh;
     // the query fragments of request b (every warp of the CTA takes part)
     __syncthreads();
-    for (int e = threadIdx.x; e < 8 * NT * 32; e += kThreads) {
-      const int ln = e & 31, nt = (e >> 5) % NT, s = e / (32 * NT);
+    for (int e = threadIdx.x; e < 8 * NT * 32; e += kThreads) {  // qf[BFrags<NT>::index(s, nt, ln)]
+      constexpr int NW = BFrags<NT>::NW, NG = BFrags<NT>::NG;
+      const int ln = (e / NW) & 31, nt = (e / (NW * 32)) % NG * NW + e % NW, s = e / (NW * 32 * NG);
       const int n = n0 + nt * 8 + (ln >> 2);
       uint2 v = make_uint2(0u, 0u);
       if (n < nvec) {
@@ -567,20 +600,20 @@ __global__ void __launch_bounds__(kThreads, 2) score_kernel(const ScoreArgs a) {
       }
       qf[e] = v;
     }
+    if (threadIdx.x < NT * 8) {  // output column of query vector n0 + threadIdx.x: row * 64 + head, or -1
+      const int n = n0 + threadIdx.x;
+      scol[threadIdx.x] = n < nvec ? (n / a.nh) * 64 + n % a.nh : -1;
+    }
     __syncthreads();
+    // output columns in registers where they fit (E4M3 NT <= 2: -1 to -3%), else read at the flush
+    constexpr bool kColReg = NT <= 2 && MODE == kModeE4m3;
+    int32_t colr[kColReg ? NT : 1][2];
+    if constexpr (kColReg)
+      for (int nt = 0; nt < NT; ++nt)
+        for (int jj = 0; jj < 2; ++jj) colr[nt][jj] = scol[nt * 8 + 2 * t4 + jj];
     BFrags<NT> bq;
     bq.load(qf, lane);
     const bool active = n0 < nvec && !(a.debug & 1);
-    // this lane's output columns (lanes 0..3 write): i * 64 + head, or -1
-    int32_t col[NT][2];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int jj = 0; jj < 2; ++jj) {
-        const int n = n0 + nt * 8 + 2 * t4 + jj;
-        col[nt][jj] = n < nvec ? (n / a.nh) * 64 + n % a.nh : -1;
-      }
-
     for (int32_t s = s0 + warp; s < s1; s += kWarps) {
       float rm[NT][2];
 #pragma unroll
@@ -602,7 +635,8 @@ __global__ void __launch_bounds__(kThreads, 2) score_kernel(const ScoreArgs a) {
           for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int jj = 0; jj < 2; ++jj) {
-              const int32_t cc = col[nt][jj];
+              // this lane's output column
+              const int32_t cc = kColReg ? colr[kColReg ? nt : 0][jj] : scol[nt * 8 + 2 * t4 + jj];
               if (cc >= 0) {
                 const int32_t i = cc >> 6, hh = cc & 63;
                 if (cur < ((ri.seq - ri.cnt + i) >> 7))  // historical for this row only
@@ -665,8 +699,10 @@ void launch_t(const ScoreArgs& a, dim3 grid, cudaStream_t stream) {
   auto k = score_kernel<MODE, NT, STOCK, GATHER>;
   check(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
         "cudaFuncSetAttribute (score kernel shared memory)");
-  plan_kernel<GATHER><<<1, 1024, 0, stream>>>(a, const_cast<int32_t*>(a.plan));
-  INDEXCP_CUDA_LAUNCH_CHECK("score plan kernel launch");
+  if (!a.plan_local) {
+    plan_kernel<GATHER><<<1, 1024, 0, stream>>>(a, const_cast<int32_t*>(a.plan));
+    INDEXCP_CUDA_LAUNCH_CHECK("score plan kernel launch");
+  }
   int per_sm = 0;
   check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, kThreads, smem), "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
   dim3 g = grid;
@@ -797,6 +833,9 @@ void launch_score(const ScoreLaunch& s, cudaStream_t stream) {
     plan = owned;
   }
   a.plan = plan;
+  // INDEXCP_SCORE_PLAN=kernel forces the separate plan kernel (tests compare both paths)
+  const char* pe = std::getenv("INDEXCP_SCORE_PLAN");
+  a.plan_local = s.rows.num_requests <= kPlanLocal && !(pe && std::strcmp(pe, "kernel") == 0);
   const int64_t nvec_max = static_cast<int64_t>(s.max_rows_per_request) * s.nh;
   const int nt = nvec_max <= 8 ? 1 : nvec_max <= 16 ? 2 : 4;
   const int64_t gy = ceil_div(nvec_max, nt * 8);

@@ -6,8 +6,8 @@
 // selections (the GPU tests run the exactness suites with each, INDEXCP_SELECT):
 //   warp kernel, one warp per (row, head), for many problems (throughput): the keys of the row are
 //   staged once in shared memory; fast path (kk <= 32): the kk-th largest of the 32 per-lane
-//   maxima bounds the boundary from below; the few keys at or above it (at most 64) are ranked
-//   against each other; fallback (plateaus of equal scores, kk > 32, many survivors): bisection
+//   maxima bounds the boundary from below; the few keys at or above it (at most 64) are sorted
+//   by a warp bitonic sort; fallback (plateaus of equal scores, kk > 32, many survivors): bisection
 //   on the 32-bit key, then the equal keys taken in ascending id order;
 //   CTA kernel, 256 threads per (row, head), for few problems (latency): a radix select over the
 //   32-bit keys (4 passes of 8 bits), the ties at the boundary taken in id order by a block scan.
@@ -64,9 +64,55 @@ __device__ __forceinline__ bool better(uint32_t k, int32_t i, uint32_t k2, int32
   return k > k2 || (k == k2 && i < i2);
 }
 
+// Sorts the S <= kSurv (= 64) survivors in sh.skey / sh.sidx into the order (K desc, index asc):
+// a bitonic sort of 64 slots, slot p = 32 r + lane in register v[r], on the composite key
+// K << 32 | ~index (indices are unique, so the order is total; empty slots are 0 and sort last).
+__device__ __forceinline__ void sort_survivors(int S, WarpSmem& sh) {
+  static_assert(kSurv == 64, "two slots per lane");
+  const int lane = threadIdx.x & 31;
+  uint64_t v[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int p = 32 * r + lane;
+    v[r] = p < S ? (static_cast<uint64_t>(sh.skey[p]) << 32 | static_cast<uint32_t>(~sh.sidx[p])) : 0u;
+  }
+  __syncwarp();
+#pragma unroll
+  for (int k = 2; k <= 64; k <<= 1) {
+#pragma unroll
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      if (j == 32) {  // k = 64: slots lane and lane + 32, both in this lane
+        const uint64_t hi = v[0] > v[1] ? v[0] : v[1], lo = v[0] > v[1] ? v[1] : v[0];
+        v[0] = hi;
+        v[1] = lo;
+        continue;
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int p = 32 * r + lane;
+        const uint64_t o = __shfl_xor_sync(0xffffffffu, v[r], j);
+        // descending overall: the lower slot of a pair keeps the larger key in runs where
+        // (p & k) == 0, the smaller one elsewhere
+        const bool keep_max = ((p & j) == 0) == ((p & k) == 0);
+        v[r] = keep_max ? (o > v[r] ? o : v[r]) : (o < v[r] ? o : v[r]);
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int p = 32 * r + lane;
+    if (p < S) {
+      sh.skey[p] = static_cast<uint32_t>(v[r] >> 32);
+      sh.sidx[p] = static_cast<int32_t>(~static_cast<uint32_t>(v[r]));
+    }
+  }
+  __syncwarp();
+}
+
 // The boundary of the kk best (by (K desc, index asc)) among n keys given by key(i) (0 = not a
 // candidate). On return the selection is { K(i) > 0 and (K, i) not worse than (*tk, *ti) }.
-// *surv > 0 when sh.skey / sh.sidx hold every selected element (and possibly more) in index order.
+// *surv > 0 when sh.skey / sh.sidx hold every selected element (and possibly more) in the order
+// (K desc, index asc), so the selected ones are the first entries.
 template <class Key>
 __device__ void warp_boundary(int32_t n, int32_t kk, Key key, WarpSmem& sh, uint32_t* tk, int32_t* ti, int* surv) {
   const int lane = threadIdx.x & 31;
@@ -106,23 +152,13 @@ __device__ void warp_boundary(int32_t n, int32_t kk, Key key, WarpSmem& sh, uint
       base += __popc(m);
     }
     __syncwarp();
+    sort_survivors(S, sh);
     if (V <= kk) {  // all of them
       *tk = 1u;
       *ti = INT_MAX;
-    } else {
-      uint32_t bk = 0;
-      int32_t bi = -1;
-      for (int e = lane; e < S; e += 32) {
-        int r = 0;
-        for (int f = 0; f < S; ++f) r += better(sh.skey[f], sh.sidx[f], sh.skey[e], sh.sidx[e]);
-        if (r == kk - 1) {
-          bk = sh.skey[e];
-          bi = sh.sidx[e];
-        }
-      }
-      const unsigned who = __ballot_sync(0xffffffffu, bi >= 0);
-      *tk = __shfl_sync(0xffffffffu, bk, __ffs(who) - 1);
-      *ti = __shfl_sync(0xffffffffu, bi, __ffs(who) - 1);
+    } else {  // the kk-th best
+      *tk = sh.skey[kk - 1];
+      *ti = sh.sidx[kk - 1];
     }
     *surv = S;
     return;
@@ -283,17 +319,14 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) select_warp_kernel(const Se
   }
   // ---- publish: the selection ordered by (score desc, id asc), then empty entries
   int m = 0;
-  if (S > 0) {
+  if (S > 0) {  // survivors sorted: the selection is their first m entries, in publish order
+    int c = 0;
     for (int e = lane; e < S; e += 32) {
       if (!selected(sh.skey[e], sh.sidx[e])) continue;
-      int r = 0;
-      for (int f = 0; f < S; ++f)
-        r += selected(sh.skey[f], sh.sidx[f]) && better(sh.skey[f], sh.sidx[f], sh.skey[e], sh.sidx[e]);
+      ++c;
       const int32_t b = block_of(sh.sidx[e]);
-      oc[r] = Candidate{sc[b], b};
+      oc[e] = Candidate{sc[b], b};
     }
-    int c = 0;
-    for (int e = lane; e < S; e += 32) c += selected(sh.skey[e], sh.sidx[e]);
     m = __reduce_add_sync(0xffffffffu, c);
   } else {  // rounds of arg-max below the previous one, over the selection
     uint32_t pk = UINT_MAX;
