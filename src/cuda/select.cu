@@ -11,7 +11,9 @@
 //   on the 32-bit key, then the equal keys taken in ascending id order;
 //   CTA kernel, 256 threads per (row, head), for few problems (latency): a radix select over the
 //   32-bit keys (4 passes of 8 bits), the ties at the boundary taken in id order by a block scan.
-//   merge: one warp per (row, head) over the W x (K-1) published candidates.
+//   merge: one warp per (row, head) over the W x (K-1) published candidates: up to 32 of them
+//   (W = 2, K = 16) one per lane, deduplicated and selected by three warp sorts; more of them in
+//   shared memory, by counting.
 // Nothing is approximate: the selection is exactly the CPU's on the same scores.
 #include <algorithm>
 #include <climits>
@@ -489,6 +491,21 @@ __global__ void __launch_bounds__(kSelThreads) select_cta_kernel(const SelectLau
 
 // ---- merge ---------------------------------------------------------------------------------
 
+// Ascending bitonic sort of 32 keys, one per lane (all 32 lanes take part).
+__device__ __forceinline__ uint64_t warp_sort_asc(uint64_t v) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int k = 2; k <= 32; k <<= 1) {
+#pragma unroll
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      const uint64_t o = __shfl_xor_sync(0xffffffffu, v, j);
+      const bool keep_min = ((lane & j) == 0) == ((lane & k) == 0);
+      v = keep_min ? (o < v ? o : v) : (o > v ? o : v);
+    }
+  }
+  return v;
+}
+
 __global__ void __launch_bounds__(kWarpsPerCta * 32) merge_kernel(const MergeLaunch mg) {
   __shared__ WarpSmem shm[kWarpsPerCta];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -512,6 +529,34 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) merge_kernel(const MergeLau
   const int32_t m = mg.world * kk;  // <= kStaged / 2 (checked at launch)
   const int64_t per_rank = mg.rows.rows * mg.heads * kk;
   const Candidate* base_c = mg.cands + (row * mg.heads + h) * kk;
+  if (m <= 32) {  // fast path (e.g. W = 2, K = 16): one entry per lane, three warp sorts in registers
+    uint32_t k = 0u;
+    int32_t id = -1;
+    if (lane < m) {
+      const Candidate c = base_c[static_cast<int64_t>(lane / kk) * per_rank + lane % kk];
+      id = c.block;
+      k = (c.block >= init && c.block < local) ? score_key(c.score) + 1u : 0u;  // row's non-forced blocks only
+    }
+    // 1. by (id asc, K desc), non-candidates last: the first entry of each block is its best
+    uint64_t v = k != 0u ? (static_cast<uint64_t>(static_cast<uint32_t>(id)) << 32 | ~k) : ~uint64_t{0};
+    v = warp_sort_asc(v);
+    id = static_cast<int32_t>(v >> 32);
+    k = ~static_cast<uint32_t>(v);
+    const int32_t prev = __shfl_up_sync(0xffffffffu, id, 1);
+    const bool keep = k != 0u && (lane == 0 || prev != id);
+    // 2. the kk best of the kept entries by (K desc, id asc): ascending on ~(K << 32 | ~id)
+    uint64_t w = keep ? ~(static_cast<uint64_t>(k) << 32 | ~static_cast<uint32_t>(id)) : ~uint64_t{0};
+    w = warp_sort_asc(w);
+    const bool chosen = lane < kk && w != ~uint64_t{0};  // low 32 bits of w: the id
+    // 3. the selection in ascending id order
+    uint64_t x = chosen ? static_cast<uint64_t>(static_cast<uint32_t>(w)) : ~uint64_t{0};
+    x = warp_sort_asc(x);
+    const int got = __popc(__ballot_sync(0xffffffffu, chosen));
+    for (int q = lane; q < init; q += 32) o[q] = q;
+    if (lane < got) o[init + lane] = static_cast<int32_t>(x);
+    for (int q = init + got + lane; q < sel.topk; q += 32) o[q] = q == init + got ? local : -1;
+    return;
+  }
   uint32_t* K = sh.key;                                          // K of entry e (0: not a candidate)
   int32_t* ID = reinterpret_cast<int32_t*>(sh.key + kStaged / 2);  // block id of entry e
   for (int32_t e = lane; e < m; e += 32) {
