@@ -445,11 +445,12 @@ __global__ void __launch_bounds__(kThreads, 2) score_kernel(const ScoreArgs a) {
   constexpr int HALF = half_bytes<MODE>();
   constexpr int ROWB = MODE == kModeFp8 ? kHeadDim : kNvfp4DataBytesPerKey;
   constexpr float kScale = MODE == kModeExact ? 1.0f : 256.0f;
-  __shared__ int32_t scol[NT * 8];  // output columns of the CTA's query vectors (per request; the
-                                    // same for every warp, not held in registers: NT = 4 spilled)
+  __shared__ int32_t scol[NT * 8];  // output columns of the CTA's query vectors (per request, the
+                                    // same for every warp), read at each flush except by E4M3
+                                    // NT <= 2, which copies them into registers (colr)
   uint8_t* stages = smem;
   uint2* lut = reinterpret_cast<uint2*>(smem + kWarps * kBuf * HALF);
-  uint2* qf = lut + 256;                                           // [8][NT][32]
+  uint2* qf = lut + 256;                                           // 8 * NT * 32: BFrags::index
   uint64_t* bars = reinterpret_cast<uint64_t*>(qf + 8 * NT * 32);  // [kWarps][kBuf]
   int32_t* meta = reinterpret_cast<int32_t*>(bars + kWarps * kBuf);  // [kWarps][kBuf][4]: chunk blocks
 
@@ -542,23 +543,24 @@ __global__ void __launch_bounds__(kThreads, 2) score_kernel(const ScoreArgs a) {
       if (!ok) return;
       bulk_g2s(dst, ch.data, ch.nrows * ROWB, bar);
       if (MODE != kModeFp8) bulk_g2s(dst + kHalfRows * ROWB, ch.scales, ch.nrows * kNvfp4ScalesPerKey, bar);
-      return;
+    } else {
+      // shard pages (nch = 64 / R <= 4 chunks, R >= 16 checked at launch): chunk by chunk, its
+      // bytes announced on the barrier (expect_tx), then its copies; one arrive at the end
+      // completes the phase once every copy has landed (no per-chunk arrays: they made the
+      // non-stock scorers spill)
+      for (int k = 0; k < nch; ++k) {
+        Chunk ch;
+        const bool ok = half_chunk<STOCK, GATHER>(a, G, c.b, c.ri, c.s, c.h, k, &ch);
+        m[k] = ok ? ch.block : -1;
+        if (!ok || (a.debug & 2)) continue;
+        mbar_expect_tx(bar, ch.nrows * kRowBytes);
+        bulk_g2s(dst + k * ch.nrows * ROWB, ch.data, ch.nrows * ROWB, bar);
+        if (MODE != kModeFp8)
+          bulk_g2s(dst + kHalfRows * ROWB + k * ch.nrows * kNvfp4ScalesPerKey, ch.scales,
+                   ch.nrows * kNvfp4ScalesPerKey, bar);
+      }
+      if (!(a.debug & 2)) mbar_arrive(bar);
     }
-    // shard pages (up to 4 chunks): chunk by chunk, its bytes announced on the barrier
-    // (expect_tx), then its copies; one arrive at the end completes the phase once every copy
-    // has landed (no per-chunk arrays: they made the non-stock scorers spill)
-    for (int k = 0; k < nch; ++k) {
-      Chunk ch;
-      const bool ok = half_chunk<STOCK, GATHER>(a, G, c.b, c.ri, c.s, c.h, k, &ch);
-      m[k] = ok ? ch.block : -1;
-      if (!ok || (a.debug & 2)) continue;
-      mbar_expect_tx(bar, ch.nrows * kRowBytes);
-      bulk_g2s(dst + k * ch.nrows * ROWB, ch.data, ch.nrows * ROWB, bar);
-      if (MODE != kModeFp8)
-        bulk_g2s(dst + kHalfRows * ROWB + k * ch.nrows * kNvfp4ScalesPerKey, ch.scales,
-                 ch.nrows * kNvfp4ScalesPerKey, bar);
-    }
-    if (!(a.debug & 2)) mbar_arrive(bar);
   };
 
   Cursor pre;  // the prefetch cursor runs kBuf items ahead of the compute
@@ -825,17 +827,20 @@ void launch_score(const ScoreLaunch& s, cudaStream_t stream) {
   INDEXCP_REQUIRE(static_cast<int64_t>(s.max_pages) * L.page_size < (int64_t{1} << 30),
           "max_pages x page_size must stay below 2^30 tokens per request");
   INDEXCP_REQUIRE(s.max_pages > 0, "max_pages must be > 0");
+  // rows per rank: a multiple of 16 (formats.md section 7; PageLayout enforces it), so a 64-row
+  // half-stage holds at most 4 chunks (the kernel's meta slots)
+  INDEXCP_REQUIRE(R >= 16 && R % 16 == 0, "rows per rank must be a multiple of 16");
+  // INDEXCP_SCORE_PLAN=kernel forces the separate plan kernel (tests compare both paths)
+  const char* pe = std::getenv("INDEXCP_SCORE_PLAN");
+  a.plan_local = s.rows.num_requests <= kPlanLocal && !(pe && std::strcmp(pe, "kernel") == 0);
   int32_t* plan = s.plan;
   int32_t* owned = nullptr;
-  if (plan == nullptr) {
+  if (plan == nullptr && !a.plan_local) {
     check(cudaMallocAsync(reinterpret_cast<void**>(&owned), (s.rows.num_requests + 1) * sizeof(int32_t), stream),
           "cudaMallocAsync (score plan)");
     plan = owned;
   }
-  a.plan = plan;
-  // INDEXCP_SCORE_PLAN=kernel forces the separate plan kernel (tests compare both paths)
-  const char* pe = std::getenv("INDEXCP_SCORE_PLAN");
-  a.plan_local = s.rows.num_requests <= kPlanLocal && !(pe && std::strcmp(pe, "kernel") == 0);
+  a.plan = plan;  // null when the plan is local and the caller gave no buffer
   const int64_t nvec_max = static_cast<int64_t>(s.max_rows_per_request) * s.nh;
   const int nt = nvec_max <= 8 ? 1 : nvec_max <= 16 ? 2 : 4;
   const int64_t gy = ceil_div(nvec_max, nt * 8);

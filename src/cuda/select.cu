@@ -5,10 +5,10 @@
 // (K desc, block id asc), a total order without ties. Two select / publish kernels, the same
 // selections (the GPU tests run the exactness suites with each, INDEXCP_SELECT):
 //   warp kernel, one warp per (row, head), for many problems (throughput): the keys of the row are
-//   staged once in shared memory; fast path (kk <= 32): the kk-th largest of the 32 per-lane
-//   maxima bounds the boundary from below; the few keys at or above it (at most 64) are sorted
-//   by a warp bitonic sort; fallback (plateaus of equal scores, kk > 32, many survivors): bisection
-//   on the 32-bit key, then the equal keys taken in ascending id order;
+//   staged once in shared memory; fast path: the kk-th largest of the 32 per-lane maxima bounds
+//   the boundary from below (kk <= 32; otherwise every candidate survives); when at most 64 keys
+//   survive they are sorted by a warp bitonic sort; fallback (plateaus of equal scores, many
+//   survivors): bisection on the 32-bit key, then the equal keys taken in ascending id order;
 //   CTA kernel, 256 threads per (row, head), for few problems (latency): a radix select over the
 //   32-bit keys (4 passes of 8 bits), the ties at the boundary taken in id order by a block scan.
 //   merge: one warp per (row, head) over the W x (K-1) published candidates: up to 32 of them
@@ -31,7 +31,7 @@ namespace indexcp::cuda::detail {
 namespace {
 
 constexpr int kWarpsPerCta = 4;
-constexpr int kSurv = 64;      // survivors ranked in shared memory (fast path)
+constexpr int kSurv = 64;      // survivors sorted in shared memory (fast path)
 constexpr int kStaged = 1536;  // keys staged per warp: rows of up to 1536 blocks (196K tokens);
                                // longer rows are read from L2 directly (correct, slower)
 
