@@ -46,7 +46,10 @@ struct ScoreLaunch {
   BlockFilter filter;
   float* scores = nullptr;            ///< [rows, nh, max_blocks]
   int64_t max_blocks = 0;
-  int32_t* plan = nullptr;  ///< device scratch int32 [num_requests + 1]; null: allocated on the stream
+  /// device scratch int32 [num_requests + 1] for the work plan of batches of more than 2,048
+  /// requests (smaller batches compute it in shared memory and leave it untouched); null:
+  /// allocated on the stream when needed
+  int32_t* plan = nullptr;
 };
 
 /// The scorer: block maxima of q . k_hat over the source's rows (indexer.md sections 2-3, 5.1).
