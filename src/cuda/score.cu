@@ -9,7 +9,9 @@
 // loop and each warp keeps one stage in flight while it computes another.
 //
 // Arithmetic: keys are expanded on the CUDA cores to fp16 and multiplied by the E4M3 queries
-// (exact in fp16) on the tensor cores with mma.sync.m16n8k16 (fp32 accumulation). A thread of a
+// (exact in fp16) on the tensor cores with mma.sync.m16n8k16 (fp32 accumulation), or, for 32
+// query vectors per CTA (NT = 4) in the sm_90a code, with wgmma.m64n32k16 (A = the same
+// fragments from registers, B = the query vectors in shared memory). A thread of a
 // quad holds 32 consecutive dimensions of its two rows; the k order of the MMA is a fixed
 // permutation of the 128 dimensions, the same in every scorer of this backend, so a (query,
 // head, token) dot product has the same bits wherever it is computed.
@@ -60,6 +62,7 @@ struct ScoreArgs {
   int32_t plan_local;   // 1: every CTA computes the plan into its shared memory (num_requests <=
                         // kPlanLocal), and plan_kernel is not launched
   int32_t debug;        // benchmarking aid (INDEXCP_SCORE_DEBUG): 1 = no arithmetic, 2 = no loads
+  uint64_t wg_desc_bits;  // the fixed fields of the wgmma B descriptor (wg_desc_fixed_bits())
 };
 
 struct ReqInfo {
@@ -333,15 +336,13 @@ struct BFrags {
   }
 };
 
-// One tile of 16 rows (r0 = g, r1 = g + 8 within the half buffer) against NT*8 query vectors.
-template <int MODE, int NT, bool NEG>
-__device__ __forceinline__ void score_tile(const uint8_t* st, int rb, int g, int t4, const uint2* lut,
-                                           const BFrags<NT>& bq, float (&rm)[NT][2]) {
+// The A fragments of one tile of 16 rows (r0 = g, r1 = g + 8 within the half buffer): f(s, A)
+// is called for each k-step s = 0..7 with its 4 registers (the mma.m16n8k16 A layout, which is
+// also the per-warp A layout of wgmma's m64nNk16 with A in registers).
+template <int MODE, bool NEG, class F>
+__device__ __forceinline__ void tile_frags(const uint8_t* st, int rb, int g, int t4, const uint2* lut, F&& f) {
   constexpr int ROWB = MODE == kModeFp8 ? kHeadDim : kNvfp4DataBytesPerKey;
   const int r0 = rb + g, r1 = r0 + 8;
-  float acc[NT][4];
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
   if (MODE == kModeFp8) {
     const uint4 a0 = *reinterpret_cast<const uint4*>(st + r0 * ROWB + t4 * 32);
     const uint4 a1 = *reinterpret_cast<const uint4*>(st + r0 * ROWB + t4 * 32 + 16);
@@ -354,10 +355,7 @@ __device__ __forceinline__ void score_tile(const uint8_t* st, int rb, int g, int
       uint32_t A[4];
       expand_fp8(x0[s], &A[0], &A[2]);
       expand_fp8(x1[s], &A[1], &A[3]);
-      uint2 bb[NT];
-      bq.get(s, bb);
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) mma16816(acc[nt], A, bb[nt].x, bb[nt].y);
+      f(s, A);
     }
   } else {
     const uint4 a0 = *reinterpret_cast<const uint4*>(st + r0 * ROWB + t4 * 16);
@@ -398,18 +396,176 @@ __device__ __forceinline__ void score_tile(const uint8_t* st, int rb, int g, int
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const uint32_t A[4] = {h0[2 * e], h1[2 * e], h0[2 * e + 1], h1[2 * e + 1]};
-        uint2 bb[NT];
-        bq.get(2 * j + e, bb);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) mma16816(acc[nt], A, bb[nt].x, bb[nt].y);
+        f(2 * j + e, A);
       }
     }
   }
+}
+
+// Block maxima of one tile: rm[nt][jj] = max(rm, the tile's two rows) of the lane's columns.
+template <int NT>
+__device__ __forceinline__ void fold_max(const float (&acc)[NT][4], float (&rm)[NT][2]) {
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
     rm[nt][0] = fmaxf(rm[nt][0], fmaxf(acc[nt][0], acc[nt][2]));
     rm[nt][1] = fmaxf(rm[nt][1], fmaxf(acc[nt][1], acc[nt][3]));
   }
+}
+
+// One tile of 16 rows against NT*8 query vectors with mma.sync (B fragments from BFrags).
+template <int MODE, int NT, bool NEG>
+__device__ __forceinline__ void score_tile(const uint8_t* st, int rb, int g, int t4, const uint2* lut,
+                                           const BFrags<NT>& bq, float (&rm)[NT][2]) {
+  float acc[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+  tile_frags<MODE, NEG>(st, rb, g, t4, lut, [&](int s, const uint32_t* A) {
+    uint2 bb[NT];
+    bq.get(s, bb);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) mma16816(acc[nt], A, bb[nt].x, bb[nt].y);
+  });
+  fold_max<NT>(acc, rm);
+}
+
+// ---- wgmma (sm_90a): the 4 warps of a warpgroup each multiply their own 16 rows (A from
+// registers) by the same NT*8 query vectors (B in shared memory), one instruction per k-step.
+// B of k-step s is stored K-major without swizzle: 8 x 8 "core matrices" of fp16 (8 vectors x 16
+// bytes, 128 contiguous bytes); the two core matrices of a k-step's 16 k values are LBO = 128
+// bytes apart, consecutive groups of 8 vectors SBO = 256 bytes apart, k-steps N * 32 bytes apart.
+// Word index of the fp16 pair (k = 2 t4 + 8 half, +1) of vector n in k-step s:
+template <int NT>
+__host__ __device__ constexpr int wg_b_index(int s, int n, int half, int t4) {
+  return s * NT * 64 + (n >> 3) * 64 + half * 32 + (n & 7) * 4 + t4;
+}
+
+// wgmma exists in the sm_90a code only (the compute_90 PTX of the build, JIT-compiled for newer
+// GPUs, keeps mma.sync). It serves NT = 4 (the ICP scorers and the prefill scorer: 32 query
+// vectors): one instruction per k-step instead of 4 HMMA and 2 shared loads of B fragments, at the
+// price of keeping the 4 warps of a warpgroup in step (same-session A/B in bench/NOTES.md, v8:
+// -5% for NT = 4, +3% for NT = 2, so NT <= 2 keeps mma.sync). -DINDEXCP_SCORE_WGMMA=0 builds
+// without it.
+#ifndef INDEXCP_SCORE_WGMMA
+#define INDEXCP_SCORE_WGMMA 1
+#endif
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) && INDEXCP_SCORE_WGMMA
+#define INDEXCP_HAVE_WGMMA 1
+#else
+#define INDEXCP_HAVE_WGMMA 0
+#endif
+template <int NT>
+inline constexpr bool kWgmmaTiles = NT == 4 && INDEXCP_HAVE_WGMMA;
+
+// The shared-memory matrix descriptor of B (PTX ISA, "Matrix Descriptor Format"): start address,
+// LBO and SBO in units of 16 bytes (bits 0-13, 16-29, 32-45), base offset 0, no swizzle. The
+// fixed fields travel in the launch arguments: as a compile-time constant ptxas rebuilt the 8
+// descriptors of a tile between its wgmma instructions, 4.5% slower (bench/NOTES.md, v8); from a
+// kernel argument they stay in uniform registers across the loop.
+constexpr uint64_t wg_desc_fixed_bits() { return (uint64_t{128 >> 4} << 16) | (uint64_t{256 >> 4} << 32); }
+__device__ __forceinline__ uint64_t wg_desc(const void* smem_b, uint64_t fixed_bits) {
+  return ((smem_u32(smem_b) & 0x3FFFFu) >> 4) | fixed_bits;
+}
+__device__ __forceinline__ void wg_fence() {
+#if INDEXCP_HAVE_WGMMA
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wg_commit() {
+#if INDEXCP_HAVE_WGMMA
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wg_wait0() {
+#if INDEXCP_HAVE_WGMMA
+  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#endif
+}
+// D (+)= A x B for m64nNk16, N = NT * 8, fp32 accumulation; d holds the mma.m16n8 C layout per
+// n-tile (d[nt][0..3]); scale_d = 0 ignores the old d.
+template <int NT>
+__device__ __forceinline__ void wgmma_tile(float (&d)[NT][4], const uint32_t* a, uint64_t desc, int scale_d) {
+#if INDEXCP_HAVE_WGMMA
+  if constexpr (NT == 1) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d));
+  } else if constexpr (NT == 2) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, "
+        "1, 1, 0;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+          "+f"(d[1][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,"
+        "%15}, {%16,%17,%18,%19}, %20, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+          "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+          "+f"(d[3][2]), "+f"(d[3][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d));
+  }
+#endif
+}
+template <int NT>
+__device__ __forceinline__ void fence_acc(float (&d)[NT][4]) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(d[nt][i])::"memory");
+}
+
+// One tile with wgmma. Every warp of the warpgroup calls it the same number of times (valid =
+// false: a placeholder tile whose product is discarded, so that the warpgroup stays in step).
+template <int MODE, int NT>
+__device__ __forceinline__ void score_tile_wg(const uint8_t* st, int rb, int g, int t4, const uint2* lut,
+                                              uint64_t desc, bool valid, float (&rm)[NT][2]) {
+  uint32_t A[8][4];
+  if (valid)
+    tile_frags<MODE, false>(st, rb, g, t4, lut, [&](int s, const uint32_t* a) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) A[s][i] = a[i];
+    });
+  float acc[NT][4];
+  wg_fence();
+#pragma unroll
+  for (int s = 0; s < 8; ++s) wgmma_tile<NT>(acc, A[s], desc + static_cast<uint64_t>(s * NT * 16), s > 0);
+  wg_commit();
+  wg_wait0();
+  fence_acc<NT>(acc);
+  if (valid) fold_max<NT>(acc, rm);
+}
+
+// NVFP4 in a half buffer: does any of rows row0 .. row0 + nrows - 1 have a negative scale byte?
+// (never, for caches we wrote) Warp-uniform result.
+__device__ __forceinline__ bool any_negative_scale(const uint8_t* st, int row0, int nrows, int lane) {
+  uint32_t orx = 0;
+  for (int r = lane; r < nrows; r += 32) {
+    const uint2 v = *reinterpret_cast<const uint2*>(st + kHalfRows * kNvfp4DataBytesPerKey + (row0 + r) * 8);
+    orx |= v.x | v.y;
+  }
+  return __any_sync(0xffffffffu, (orx & 0x80808080u) != 0);
+}
+
+// NVFP4 with E4M3 rounding, before a wgmma tile: rows of the chunk whose scale byte is negative
+// (never written by the quantizer) get their codes' signs flipped in the stage buffer, so that
+// one code path (and one wgmma site) serves every warp; the table lookup ignores the scale sign.
+__device__ __forceinline__ void fix_negative_scales(uint8_t* st, int row0, int nrows, int lane) {
+  for (int i = lane; i < nrows * 8; i += 32) {
+    const int r = row0 + i / 8, gi = i % 8;
+    if (st[kHalfRows * kNvfp4DataBytesPerKey + r * 8 + gi] & 0x80u) {
+      uint2* w = reinterpret_cast<uint2*>(st + r * kNvfp4DataBytesPerKey + gi * 8);
+      w->x ^= 0x88888888u;
+      w->y ^= 0x88888888u;
+    }
+  }
+  // the generic-proxy writes before the bulk copy (async proxy) that later refills this buffer
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  __syncwarp();
 }
 
 // Prefix sums of work items per request (the plan; graph-safe: reads seq_lens at run time):
@@ -441,6 +597,7 @@ __global__ void __launch_bounds__(1024) plan_kernel(const ScoreArgs a, int32_t* 
 
 template <int MODE, int NT, bool STOCK, bool GATHER>
 __global__ void __launch_bounds__(kThreads, 2) score_kernel(const ScoreArgs a) {
+  constexpr bool WG = kWgmmaTiles<NT>;
   extern __shared__ __align__(128) unsigned char smem[];
   constexpr int HALF = half_bytes<MODE>();
   constexpr int ROWB = MODE == kModeFp8 ? kHeadDim : kNvfp4DataBytesPerKey;
@@ -600,8 +757,15 @@ __global__ void __launch_bounds__(kThreads, 2) score_kernel(const ScoreArgs a) {
         v.x = q_pair(qv, d, d + 2);
         v.y = q_pair(qv, d + 1, d + 3);
       }
-      qf[e] = v;
+      if constexpr (WG) {
+        uint32_t* qw = reinterpret_cast<uint32_t*>(qf);
+        qw[wg_b_index<NT>(s, nt * 8 + (ln >> 2), 0, ln & 3)] = v.x;
+        qw[wg_b_index<NT>(s, nt * 8 + (ln >> 2), 1, ln & 3)] = v.y;
+      } else {
+        qf[e] = v;
+      }
     }
+    if constexpr (WG) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // B for wgmma
     if (threadIdx.x < NT * 8) {  // output column of query vector n0 + threadIdx.x: row * 64 + head, or -1
       const int n = n0 + threadIdx.x;
       scol[threadIdx.x] = n < nvec ? (n / a.nh) * 64 + n % a.nh : -1;
@@ -614,9 +778,14 @@ __global__ void __launch_bounds__(kThreads, 2) score_kernel(const ScoreArgs a) {
       for (int nt = 0; nt < NT; ++nt)
         for (int jj = 0; jj < 2; ++jj) colr[nt][jj] = scol[nt * 8 + 2 * t4 + jj];
     BFrags<NT> bq;
-    bq.load(qf, lane);
+    if constexpr (!WG) bq.load(qf, lane);
+    const uint64_t desc = wg_desc(qf, a.wg_desc_bits);
     const bool active = n0 < nvec && !(a.debug & 1);
-    for (int32_t s = s0 + warp; s < s1; s += kWarps) {
+    // WG: every warp runs the same number of pair iterations (those past its last pair are
+    // placeholders) so that the warpgroup's wgmma instructions stay in step
+    const int32_t nit = WG ? (s1 - s0 + kWarps - 1) / kWarps : 0;
+    for (int32_t s = s0 + warp, it = 0; WG ? it < nit : s < s1; s += kWarps, ++it) {
+      const bool have = !WG || s < s1;
       float rm[NT][2];
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) rm[nt][0] = rm[nt][1] = kNaN;
@@ -650,11 +819,24 @@ __global__ void __launch_bounds__(kThreads, 2) score_kernel(const ScoreArgs a) {
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) rm[nt][0] = rm[nt][1] = kNaN;
       };
-      for (int h = 0; h < 2; ++h, ++item) {
+      for (int h = 0; h < 2; ++h) {
         const int buf = item % kBuf;
-        if (!(a.debug & 2)) mbar_wait(&wbar[buf], static_cast<uint32_t>((item / kBuf) & 1));
-        const uint8_t* st = wst + buf * HALF;
-        if (active) {
+        if (have && !(a.debug & 2)) mbar_wait(&wbar[buf], static_cast<uint32_t>((item / kBuf) & 1));
+        uint8_t* st = wst + buf * HALF;
+        if (WG && active) {
+          for (int c = 0; c < nch; ++c) {  // chunks of rc_half rows (a multiple of 16)
+            const int32_t blk = have ? wmeta[buf * 4 + c] : -1;
+            const bool ok = blk >= 0;
+            if (ok && blk != cur) {
+              if (cur >= 0) flush();
+              cur = blk;
+            }
+            if (MODE == kModeE4m3 && ok && any_negative_scale(st, c * rc_half, rc_half, lane))
+              fix_negative_scales(st, c * rc_half, rc_half, lane);
+#pragma unroll 1
+            for (int t = 0; t < rc_half / 16; ++t) score_tile_wg<MODE, NT>(st, c * rc_half + t * 16, g, t4, lut, desc, ok, rm);
+          }
+        } else if (active) {
           for (int c = 0; c < nch; ++c) {
             const int32_t blk = wmeta[buf * 4 + c];
             if (blk < 0) continue;
@@ -665,14 +847,7 @@ __global__ void __launch_bounds__(kThreads, 2) score_kernel(const ScoreArgs a) {
               if (cur >= 0) flush();
               cur = ch.block;
             }
-            bool neg = false;
-            if (MODE == kModeE4m3) {  // any negative scale byte in this chunk? (never, for caches we wrote)
-              uint32_t orx = 0;
-              for (int r = lane; r < ch.nrows; r += 32)
-                orx |= *reinterpret_cast<const uint32_t*>(st + kHalfRows * ROWB + (c * ch.nrows + r) * 8) |
-                       *reinterpret_cast<const uint32_t*>(st + kHalfRows * ROWB + (c * ch.nrows + r) * 8 + 4);
-              neg = __any_sync(0xffffffffu, (orx & 0x80808080u) != 0);
-            }
+            const bool neg = MODE == kModeE4m3 && any_negative_scale(st, c * ch.nrows, ch.nrows, lane);
             auto tile = [&](int t) {
               if (neg) score_tile<MODE, NT, true>(st, c * ch.nrows + t * 16, g, t4, lut, bq, rm);
               else score_tile<MODE, NT, false>(st, c * ch.nrows + t * 16, g, t4, lut, bq, rm);
@@ -685,9 +860,11 @@ __global__ void __launch_bounds__(kThreads, 2) score_kernel(const ScoreArgs a) {
             }
           }
         }
+        if (!have) continue;
         __syncwarp();
         if (lane == 0 && pre.valid) issue(pre, wst + buf * HALF, &wbar[buf], wmeta + buf * 4);
         if (pre.valid) advance(&pre);
+        ++item;
       }
       if (cur >= 0) flush();
     }
@@ -821,6 +998,7 @@ void launch_score(const ScoreLaunch& s, cudaStream_t stream) {
   a.scores = s.scores;
   a.max_blocks = s.max_blocks;
   a.debug = 0;
+  a.wg_desc_bits = wg_desc_fixed_bits();
   if (const char* e = std::getenv("INDEXCP_SCORE_DEBUG")) a.debug = std::atoi(e);
   const PageLayout& L = s.keys.layout;
   const int32_t R = L.rows();

@@ -243,6 +243,90 @@ INSTANTIATE_TEST_SUITE_P(All, GpuIcp,
                                             ::testing::Values(KvDtype::kNvfp4, KvDtype::kFp8),
                                             ::testing::Values(KRounding::kE4m3, KRounding::kExact)));
 
+// NVFP4 scale bytes with the sign bit set (the quantizer never writes them; a cache filled by
+// other software may hold them): every scorer must treat the scale as the signed E4M3 value it
+// is, like the CPU. Each shard flips the same logical (token, group) scales, so ICP must still
+// equal replicated bit for bit. H = 2 / 4 with Q = 8 take the mma.sync (16 query vectors) and
+// the wgmma (32) tiles; P128 with W = 2, 4 takes the general scorer with 1 and 2 chunks per
+// half-stage.
+class GpuNegScale : public ::testing::TestWithParam<std::tuple<int32_t, KRounding>> {};
+
+TEST_P(GpuNegScale, NegativeScaleBytesScoreLikeTheCpu) {
+  REQUIRE_GPU();
+  const auto [P, mode] = GetParam();
+  auto s = scene({2600, 130, 0, 4100}, P, 77u + P);
+  // flip the scale sign of roughly one (token, group) in five, keyed by the logical slot
+  auto flip = [&](IndexCache& c) {
+    const PageLayout& L = c.layout();
+    for (int64_t page = 0; page < c.num_pages(); ++page)
+      for (int32_t j = 0; j < L.rows(); ++j) {
+        const int64_t token = page * P + L.offset_of_local_row(c.rank(), j);
+        for (int gi = 0; gi < 8; ++gi)
+          if ((token * 8 + gi) * 2654435761u % 5 == 0) c.page_ptr(0, page)[L.row_scale_offset(j) + gi] ^= 0x80;
+      }
+  };
+  auto host = make_shards(KvDtype::kNvfp4, s.req, 1, s.keys, s.slots);
+  flip(host[0]);
+  std::vector<cuda::DeviceCache> repl;
+  repl.emplace_back(host[0].layout(), host[0].num_pages(), 1, 0);
+  repl[0].upload(host[0]);
+  for (const int32_t H : {2, 4}) {
+    const int32_t Q = 8;
+    const int64_t rows = static_cast<int64_t>(s.req.seq_lens.size()) * Q;
+    const auto q = make_q(rows, H, 5u + H);
+    DevDecode d(s.req, q, H, Q);
+    const DecodeBatch hb = host_batch(s.req, q, H, Q);
+    const auto qrows = decode_rows(hb, s.req.num_pages, P);
+    const int64_t mb = static_cast<int64_t>(s.req.max_pages) * P / 128;
+    DevArr<float> sc(static_cast<size_t>(rows) * H * mb);
+    cuda::decode_scores(repl[0], 0, d.b, 0, H, mode, sc.get(), nullptr);
+    const auto gs = sc.host();
+    const auto ref = ref_scores(host[0], s.req, qrows, q, H, mode);
+    int64_t checked = 0;
+    for (size_t i = 0; i < gs.size(); ++i) {
+      if (std::isinf(ref.score[i])) continue;
+      ASSERT_LE(std::fabs(gs[i] - ref.score[i]), score_tol(ref.absmax[i], ref.score[i]))
+          << "H " << H << " score " << i << " gpu " << gs[i] << " ref " << ref.score[i];
+      ++checked;
+    }
+    EXPECT_GT(checked, 0);
+    cuda::DecodeShape shape;
+    shape.max_requests = d.b.num_requests;
+    shape.max_pages = s.req.max_pages;
+    shape.query_len = Q;
+    shape.heads = H;
+    shape.mode = mode;
+    const size_t n = static_cast<size_t>(rows) * H * shape.sel.topk;
+    DevArr<int32_t> o_rep(n);
+    cuda::DecodeStep rep({&repl[0]}, 2, 0, shape, cuda::DecodePath::kReplicated);
+    rep.run(d.b, o_rep.get(), nullptr);
+    CUDA_OK(cudaDeviceSynchronize());
+    const auto r = o_rep.host();
+    std::vector<int32_t> cpu(n);
+    decode_select(host[0], 0, hb, 0, H, shape.sel, mode, cpu.data());
+    compare_selections(r, cpu, ref, qrows, H, shape.sel.topk, "negative scales");
+    for (const int32_t W : {2, 4}) {
+      auto hs = make_shards(KvDtype::kNvfp4, s.req, W, s.keys, s.slots);
+      std::vector<cuda::DeviceCache> shards;
+      std::vector<const cuda::DeviceCache*> cs;
+      for (auto& h : hs) {
+        flip(h);
+        shards.emplace_back(h.layout(), h.num_pages(), 1, h.rank());
+        shards.back().upload(h);
+      }
+      for (auto& c : shards) cs.push_back(&c);
+      DevArr<int32_t> o_icp(n);
+      cuda::DecodeStep icp(cs, W, 0, shape, cuda::DecodePath::kIcp, false);
+      icp.run(d.b, o_icp.get(), nullptr);
+      CUDA_OK(cudaDeviceSynchronize());
+      EXPECT_EQ(o_icp.host(), r) << "ICP with negative scales differs from replicated, H " << H << " W " << W;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(All, GpuNegScale,
+                         ::testing::Combine(::testing::Values(128, 256), ::testing::Values(KRounding::kE4m3, KRounding::kExact)));
+
 // ---- cases ------------------------------------------------------------------------------------
 
 TEST(GpuCases, C03_TiePlateau) {
