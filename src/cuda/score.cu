@@ -9,9 +9,9 @@
 // loop and each warp keeps one stage in flight while it computes another.
 //
 // Arithmetic: keys are expanded on the CUDA cores to fp16 and multiplied by the E4M3 queries
-// (exact in fp16) on the tensor cores with mma.sync.m16n8k16 (fp32 accumulation), or, for 32
-// query vectors per CTA (NT = 4) in the sm_90a code, with wgmma.m64n32k16 (A = the same
-// fragments from registers, B = the query vectors in shared memory). A thread of a
+// (exact in fp16) on the tensor cores with mma.sync.m16n8k16 (fp32 accumulation), or, for 16 or
+// 32 query vectors per CTA (NT = 2, 4) in the sm_90a code, with wgmma.m64n16k16 / m64n32k16 (A =
+// the same fragments from registers, B = the query vectors in shared memory). A thread of a
 // quad holds 32 consecutive dimensions of its two rows; the k order of the MMA is a fixed
 // permutation of the 128 dimensions, the same in every scorer of this backend, so a (query,
 // head, token) dot product has the same bits wherever it is computed.
@@ -440,10 +440,10 @@ __host__ __device__ constexpr int wg_b_index(int s, int n, int half, int t4) {
 }
 
 // wgmma exists in the sm_90a code only (the compute_90 PTX of the build, JIT-compiled for newer
-// GPUs, keeps mma.sync). It serves NT = 4 (the ICP scorers and the prefill scorer: 32 query
-// vectors): one instruction per k-step instead of 4 HMMA and 2 shared loads of B fragments, at the
-// price of keeping the 4 warps of a warpgroup in step (same-session A/B in bench/NOTES.md, v8:
-// -5% for NT = 4, +3% for NT = 2, so NT <= 2 keeps mma.sync). -DINDEXCP_SCORE_WGMMA=0 builds
+// GPUs, keeps mma.sync). It serves NT = 2 and 4 (16 and 32 query vectors per CTA): one
+// instruction per k-step instead of NT HMMA (and, for NT = 4, 2 shared loads of B fragments), at
+// the price of keeping the 4 warps of a warpgroup in step. Same-session A/B (bench/NOTES.md, v8):
+// NT = 4 -6%, NT = 2 -1%, NT = 1 +6% (so NT = 1 keeps mma.sync). -DINDEXCP_SCORE_WGMMA=0 builds
 // without it.
 #ifndef INDEXCP_SCORE_WGMMA
 #define INDEXCP_SCORE_WGMMA 1
@@ -454,7 +454,7 @@ __host__ __device__ constexpr int wg_b_index(int s, int n, int half, int t4) {
 #define INDEXCP_HAVE_WGMMA 0
 #endif
 template <int NT>
-inline constexpr bool kWgmmaTiles = NT == 4 && INDEXCP_HAVE_WGMMA;
+inline constexpr bool kWgmmaTiles = NT >= 2 && INDEXCP_HAVE_WGMMA;
 
 // The shared-memory matrix descriptor of B (PTX ISA, "Matrix Descriptor Format"): start address,
 // LBO and SBO in units of 16 bytes (bits 0-13, 16-29, 32-45), base offset 0, no swizzle. The
