@@ -246,17 +246,17 @@ struct SelectProblem {
       for (int k = t; k < topk; k += threads) o[k] = k < n_vis ? k : -1;
     return true;
   }
-  // K of candidate i (block init + i) whose score is `score`; 0 when it is not a candidate
-  __device__ __forceinline__ uint32_t key_of(int32_t i, float score) const {
+  // K of candidate i (block init + i); 0 when it is not a candidate (publish: the score of a block
+  // this rank stores no rows of was never written, and is not read)
+  __device__ __forceinline__ uint32_t key(int32_t i) const {
     const int32_t b = init + i;
     if (publish) {
       if (fmod > 1 && b % fmod != fres) return 0u;
       const int32_t u0 = (b * kBlockTokens) & (P - 1);  // the block's first page offset (P = 128 or 256)
       if (!(u0 < lo_off + R && lo_off < u0 + kBlockTokens)) return 0u;  // no rows on this rank
     }
-    return score_key(score) + 1u;
+    return score_key(sc[b]) + 1u;
   }
-  __device__ __forceinline__ uint32_t key(int32_t i) const { return key_of(i, sc[init + i]); }
 };
 
 __global__ void __launch_bounds__(kWarpsPerCta * 32) select_warp_kernel(const SelectLaunch s) {
@@ -279,17 +279,16 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) select_warp_kernel(const Se
   const bool staged = nc <= kStaged;
   int32_t n = nc;
   if (staged) {
-    if (publish) {
-      // the scores first, eight loads in flight per lane (the compaction below has a ballot per
-      // step, which kept its loads one at a time), then compacted in place: entry i moves to
-      // p <= i, and every read of a step precedes its ballot
+    // the keys, eight loads in flight per lane; publish then compacts them in place (entry i moves
+    // to p <= i, and every read of a step precedes its ballot)
 #pragma unroll 8
-      for (int32_t i = lane; i < nc; i += 32) sh.key[i] = __float_as_uint(sc[init + i]);
-      __syncwarp();
+    for (int32_t i = lane; i < nc; i += 32) sh.key[i] = key_global(i);
+    __syncwarp();
+    if (publish) {
       int base = 0;
       for (int32_t i0 = 0; i0 < nc; i0 += 32) {
         const int32_t i = i0 + lane;
-        const uint32_t k = i < nc ? pb.key_of(i, __uint_as_float(sh.key[i])) : 0u;
+        const uint32_t k = i < nc ? sh.key[i] : 0u;
         const unsigned m = __ballot_sync(0xffffffffu, k != 0);
         if (k != 0) {
           const int p = base + __popc(m & lanemask_lt());
@@ -299,11 +298,8 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) select_warp_kernel(const Se
         base += __popc(m);
       }
       n = base;
-    } else {
-#pragma unroll 8
-      for (int32_t i = lane; i < nc; i += 32) sh.key[i] = key_global(i);
+      __syncwarp();
     }
-    __syncwarp();
   }
   auto key = [&](int32_t j) -> uint32_t { return staged ? sh.key[j] : key_global(j); };
   auto block_of = [&](int32_t j) -> int32_t { return init + ((staged && publish) ? static_cast<int32_t>(sh.idx[j]) : j); };
