@@ -42,6 +42,8 @@ struct WarpSmem {
   int32_t sidx[kSurv];
 };
 
+__device__ const float g_zero_score = 0.0f;
+
 __device__ __forceinline__ int64_t row_position(const RowsView& v, int64_t row) {
   if (v.query_start == nullptr) {
     const int32_t b = static_cast<int32_t>(row / v.query_len);
@@ -246,16 +248,23 @@ struct SelectProblem {
       for (int k = t; k < topk; k += threads) o[k] = k < n_vis ? k : -1;
     return true;
   }
-  // K of candidate i (block init + i); 0 when it is not a candidate (publish: the score of a block
-  // this rank stores no rows of was never written, and is not read)
-  __device__ __forceinline__ uint32_t key(int32_t i) const {
+  // Is candidate i (block init + i) one of this problem's? Publish: only blocks of which this rank
+  // stores rows (the scorer never wrote the others' scores), and the block filter.
+  __device__ __forceinline__ bool stored(int32_t i) const {
+    if (!publish) return true;
     const int32_t b = init + i;
-    if (publish) {
-      if (fmod > 1 && b % fmod != fres) return 0u;
-      const int32_t u0 = (b * kBlockTokens) & (P - 1);  // the block's first page offset (P = 128 or 256)
-      if (!(u0 < lo_off + R && lo_off < u0 + kBlockTokens)) return 0u;  // no rows on this rank
-    }
-    return score_key(sc[b]) + 1u;
+    if (fmod > 1 && b % fmod != fres) return false;
+    const int32_t u0 = (b * kBlockTokens) & (P - 1);  // the block's first page offset (P = 128 or 256)
+    return u0 < lo_off + R && lo_off < u0 + kBlockTokens;
+  }
+  // K of candidate i; 0 when it is not a candidate
+  __device__ __forceinline__ uint32_t key(int32_t i) const { return stored(i) ? score_key(sc[init + i]) + 1u : 0u; }
+  // The same, as a load that is issued whatever `stored` says (from a zero in place of a score
+  // that was never written), so that a loop can keep many loads in flight
+  __device__ __forceinline__ uint32_t key_eager(int32_t i) const {
+    const bool v = stored(i);
+    const float x = *(v ? sc + init + i : &g_zero_score);
+    return v ? score_key(x) + 1u : 0u;
   }
 };
 
@@ -282,7 +291,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) select_warp_kernel(const Se
     // the keys, eight loads in flight per lane; publish then compacts them in place (entry i moves
     // to p <= i, and every read of a step precedes its ballot)
 #pragma unroll 8
-    for (int32_t i = lane; i < nc; i += 32) sh.key[i] = key_global(i);
+    for (int32_t i = lane; i < nc; i += 32) sh.key[i] = pb.key_eager(i);
     __syncwarp();
     if (publish) {
       int base = 0;
