@@ -480,18 +480,12 @@ __device__ __forceinline__ void wg_wait0() {
   asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #endif
 }
-// D (+)= A x B for m64nNk16, N = NT * 8, fp32 accumulation; d holds the mma.m16n8 C layout per
+// D (+)= A x B for m64nNk16, N = NT * 8 (16 or 32), fp32 accumulation; d holds the mma.m16n8 C layout per
 // n-tile (d[nt][0..3]); scale_d = 0 ignores the old d.
 template <int NT>
 __device__ __forceinline__ void wgmma_tile(float (&d)[NT][4], const uint32_t* a, uint64_t desc, int scale_d) {
 #if INDEXCP_HAVE_WGMMA
-  if constexpr (NT == 1) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d));
-  } else if constexpr (NT == 2) {
+  if constexpr (NT == 2) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, "
@@ -499,7 +493,7 @@ __device__ __forceinline__ void wgmma_tile(float (&d)[NT][4], const uint32_t* a,
         : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
           "+f"(d[1][3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d));
-  } else {
+  } else if constexpr (NT == 4) {  // (NT = 1 keeps mma.sync: kWgmmaTiles)
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,"

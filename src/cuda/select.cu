@@ -42,8 +42,6 @@ struct WarpSmem {
   int32_t sidx[kSurv];
 };
 
-__device__ const float g_zero_score = 0.0f;
-
 __device__ __forceinline__ int64_t row_position(const RowsView& v, int64_t row) {
   if (v.query_start == nullptr) {
     const int32_t b = static_cast<int32_t>(row / v.query_len);
@@ -248,23 +246,15 @@ struct SelectProblem {
       for (int k = t; k < topk; k += threads) o[k] = k < n_vis ? k : -1;
     return true;
   }
-  // Is candidate i (block init + i) one of this problem's? Publish: only blocks of which this rank
-  // stores rows (the scorer never wrote the others' scores), and the block filter.
-  __device__ __forceinline__ bool stored(int32_t i) const {
-    if (!publish) return true;
+  // K of candidate i (block init + i); 0 when it is not a candidate
+  __device__ __forceinline__ uint32_t key(int32_t i) const {
     const int32_t b = init + i;
-    if (fmod > 1 && b % fmod != fres) return false;
-    const int32_t u0 = (b * kBlockTokens) & (P - 1);  // the block's first page offset (P = 128 or 256)
-    return u0 < lo_off + R && lo_off < u0 + kBlockTokens;
-  }
-  // K of candidate i; 0 when it is not a candidate
-  __device__ __forceinline__ uint32_t key(int32_t i) const { return stored(i) ? score_key(sc[init + i]) + 1u : 0u; }
-  // The same, as a load that is issued whatever `stored` says (from a zero in place of a score
-  // that was never written), so that a loop can keep many loads in flight
-  __device__ __forceinline__ uint32_t key_eager(int32_t i) const {
-    const bool v = stored(i);
-    const float x = *(v ? sc + init + i : &g_zero_score);
-    return v ? score_key(x) + 1u : 0u;
+    if (publish) {
+      if (fmod > 1 && b % fmod != fres) return 0u;
+      const int32_t u0 = (b * kBlockTokens) & (P - 1);  // the block's first page offset (P = 128 or 256)
+      if (!(u0 < lo_off + R && lo_off < u0 + kBlockTokens)) return 0u;  // no rows on this rank
+    }
+    return score_key(sc[b]) + 1u;
   }
 };
 
@@ -288,16 +278,11 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) select_warp_kernel(const Se
   const bool staged = nc <= kStaged;
   int32_t n = nc;
   if (staged) {
-    // the keys, eight loads in flight per lane; publish then compacts them in place (entry i moves
-    // to p <= i, and every read of a step precedes its ballot)
-#pragma unroll 8
-    for (int32_t i = lane; i < nc; i += 32) sh.key[i] = pb.key_eager(i);
-    __syncwarp();
     if (publish) {
       int base = 0;
       for (int32_t i0 = 0; i0 < nc; i0 += 32) {
         const int32_t i = i0 + lane;
-        const uint32_t k = i < nc ? sh.key[i] : 0u;
+        const uint32_t k = i < nc ? key_global(i) : 0u;
         const unsigned m = __ballot_sync(0xffffffffu, k != 0);
         if (k != 0) {
           const int p = base + __popc(m & lanemask_lt());
@@ -307,8 +292,11 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) select_warp_kernel(const Se
         base += __popc(m);
       }
       n = base;
-      __syncwarp();
+    } else {
+#pragma unroll 8
+      for (int32_t i = lane; i < nc; i += 32) sh.key[i] = key_global(i);
     }
+    __syncwarp();
   }
   auto key = [&](int32_t j) -> uint32_t { return staged ? sh.key[j] : key_global(j); };
   auto block_of = [&](int32_t j) -> int32_t { return init + ((staged && publish) ? static_cast<int32_t>(sh.idx[j]) : j); };
