@@ -14,7 +14,10 @@
 // the same fragments from registers, B = the query vectors in shared memory). A thread of a
 // quad holds 32 consecutive dimensions of its two rows; the k order of the MMA is a fixed
 // permutation of the 128 dimensions, the same in every scorer of this backend, so a (query,
-// head, token) dot product has the same bits wherever it is computed.
+// head, token) dot product has the same bits wherever it is computed, given that mma.sync and
+// wgmma compute each 16-product step alike (the sharded == replicated suites, which pair 8-vector
+// mma.sync launches with 32-vector wgmma launches at W = 4 and 8, pass; a direct bitwise
+// comparison of the two on random data is still to be run, bench/NOTES.md v8).
 //   - NVFP4, E4M3 rounding: k_hat = e4m3(|e2m1| * |scale|) from a 256 x 8 byte table (one entry
 //     per scale byte, built on the host with formats.hpp), looked up with prmt; the E4M3 byte is
 //     turned into fp16 bits by a shift (value * 2^-8, subnormals included); the score is
@@ -292,8 +295,9 @@ constexpr int score_smem_bytes() {
          (kPlanLocal + 1) * 4;
 }
 
-// B fragments (the query vectors) of k-step s: registers (NT <= 2) or shared memory (NT = 4, to
-// stay under 128 registers at 16 warps per multiprocessor). Shared layout: [8 k-steps][NT / NW
+// B fragments (the query vectors) of k-step s for the mma.sync tiles (NT = 1 in the sm_90a code,
+// every NT in the compute_90 PTX; the wgmma tiles use the wg_b_index layout instead): registers
+// (NT <= 2) or shared memory (NT = 4, to stay under 128 registers at 16 warps per multiprocessor). Shared layout: [8 k-steps][NT / NW
 // n-tile groups][32 lanes][NW] uint2 with NW = min(NT, 2) n-tiles per group, so a lane reads the
 // fragments of two n-tiles with one 16-byte load and a warp's load is contiguous (no bank
 // conflicts).
@@ -601,7 +605,7 @@ __global__ void __launch_bounds__(kThreads, 2) score_kernel(const ScoreArgs a) {
                                     // NT <= 2, which copies them into registers (colr)
   uint8_t* stages = smem;
   uint2* lut = reinterpret_cast<uint2*>(smem + kWarps * kBuf * HALF);
-  uint2* qf = lut + 256;                                           // 8 * NT * 32: BFrags::index
+  uint2* qf = lut + 256;                                           // 8 * NT * 32: BFrags::index or wg_b_index
   uint64_t* bars = reinterpret_cast<uint64_t*>(qf + 8 * NT * 32);  // [kWarps][kBuf]
   int32_t* meta = reinterpret_cast<int32_t*>(bars + kWarps * kBuf);  // [kWarps][kBuf][4]: chunk blocks
 
@@ -739,7 +743,8 @@ __global__ void __launch_bounds__(kThreads, 2) score_kernel(const ScoreArgs a) {
     const int32_t nvec = ri.cnt * a.nh;
     // the query fragments of request b (every warp of the CTA takes part)
     __syncthreads();
-    for (int e = threadIdx.x; e < 8 * NT * 32; e += kThreads) {  // qf[BFrags<NT>::index(s, nt, ln)]
+    // qf[BFrags<NT>::index(s, nt, ln)] (mma.sync) or the wg_b_index words (wgmma)
+    for (int e = threadIdx.x; e < 8 * NT * 32; e += kThreads) {
       constexpr int NW = BFrags<NT>::NW, NG = BFrags<NT>::NG;
       const int ln = (e / NW) & 31, nt = (e / (NW * 32)) % NG * NW + e % NW, s = e / (NW * 32 * NG);
       const int n = n0 + nt * 8 + (ln >> 2);
@@ -828,7 +833,8 @@ __global__ void __launch_bounds__(kThreads, 2) score_kernel(const ScoreArgs a) {
             if (MODE == kModeE4m3 && ok && any_negative_scale(st, c * rc_half, rc_half, lane))
               fix_negative_scales(st, c * rc_half, rc_half, lane);
 #pragma unroll 1
-            for (int t = 0; t < rc_half / 16; ++t) score_tile_wg<MODE, NT>(st, c * rc_half + t * 16, g, t4, lut, desc, ok, rm);
+            for (int t = 0; t < rc_half / 16; ++t)
+              score_tile_wg<MODE, NT>(st, c * rc_half + t * 16, g, t4, lut, desc, ok, rm);
           }
         } else if (active) {
           for (int c = 0; c < nch; ++c) {

@@ -246,9 +246,11 @@ INSTANTIATE_TEST_SUITE_P(All, GpuIcp,
 // NVFP4 scale bytes with the sign bit set (the quantizer never writes them; a cache filled by
 // other software may hold them): every scorer must treat the scale as the signed E4M3 value it
 // is, like the CPU. Each shard flips the same logical (token, group) scales, so ICP must still
-// equal replicated bit for bit. H = 2 / 4 with Q = 8 take the mma.sync (16 query vectors) and
-// the wgmma (32) tiles; P128 with W = 2, 4 takes the general scorer with 1 and 2 chunks per
-// half-stage.
+// equal replicated bit for bit. Scores: H = 2 / 4 with Q = 8 are 16 / 32 query vectors per CTA
+// (the wgmma tiles on sm_90a, with the fix-up in the stage buffer); the replicated step at
+// W = 2 with H = 2 scores 8 vectors per rank (the mma.sync tile with its negative-scale variant),
+// checked through its selections. P128 with W = 2, 4 takes the general scorer with 1 and 2 chunks
+// per half-stage.
 class GpuNegScale : public ::testing::TestWithParam<std::tuple<int32_t, KRounding>> {};
 
 TEST_P(GpuNegScale, NegativeScaleBytesScoreLikeTheCpu) {
