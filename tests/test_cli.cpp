@@ -107,6 +107,13 @@ TEST(Cli, VersionAndHelp) {
   auto r = run("--version", d);
   EXPECT_EQ(r.status, 0);
   EXPECT_EQ(r.out.rfind("indexcp ", 0), 0u) << r.out;
+  r = run("--help", d);
+  EXPECT_EQ(r.status, 0);
+  EXPECT_NE(r.out.find("CPU reference backend"), std::string::npos) << r.out;
+  // a CUDA build on a machine without a GPU says so, instead of looking like a CPU-only build
+  EXPECT_EQ(r.out.find("CUDA backend built, no GPU visible") != std::string::npos,
+            indexcp::built_with_cuda() && !indexcp::cuda_available())
+      << r.out;
   r = run("run --help", d);
   EXPECT_EQ(r.status, 0);
   EXPECT_NE(r.out.find("--prefill-tokens"), std::string::npos);

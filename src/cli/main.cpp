@@ -82,7 +82,10 @@ static int real_main(int argc, char** argv) {
   using namespace indexcp::cli;
   CLI::App app{"indexcp: block-sparse attention indexer with a sharded NVFP4/FP8 index cache and indexer context "
                "parallelism (CPU reference backend" +
-                   std::string(indexcp::cuda_available() ? ", CUDA" : "") + ")",
+                   std::string(indexcp::cuda_available()    ? ", CUDA"
+                               : indexcp::built_with_cuda() ? "; CUDA backend built, no GPU visible"
+                                                            : "") +
+                   ")",
                "indexcp"};
   app.set_version_flag("--version", std::string("indexcp ") + INDEXCP_VERSION);
   app.require_subcommand(0, 1);
