@@ -37,6 +37,18 @@ std::vector<int32_t> select_from_scores(const std::vector<float>& sc, const std:
   return out;
 }
 
+// A DecodeShape with the given geometry (selection parameters at their defaults).
+cuda::DecodeShape decode_shape(int32_t max_requests, int32_t max_pages, int32_t Q, int32_t H,
+                               KRounding mode = KRounding::kE4m3) {
+  cuda::DecodeShape shape;
+  shape.max_requests = max_requests;
+  shape.max_pages = max_pages;
+  shape.query_len = Q;
+  shape.heads = H;
+  shape.mode = mode;
+  return shape;
+}
+
 }  // namespace
 
 class GpuDecode : public ::testing::TestWithParam<std::tuple<KvDtype, int32_t, int32_t, int32_t, KRounding>> {};
@@ -159,11 +171,7 @@ TEST(GpuDecode, SelectionIsExactAtOnePartPerMillion) {
     } else {
       std::vector<const cuda::DeviceCache*> cs;
       for (auto& c : dev) cs.push_back(&c);
-      cuda::DecodeShape shape;
-      shape.max_requests = 1;
-      shape.max_pages = req.max_pages;
-      shape.query_len = 1;
-      shape.heads = 1;
+      const cuda::DecodeShape shape = decode_shape(1, req.max_pages, 1, 1);
       cuda::DecodeStep step(cs, W, 0, shape, cuda::DecodePath::kIcp);
       step.run(d.b, out.get(), nullptr);
     }
@@ -187,12 +195,7 @@ TEST_P(GpuIcp, ShardedEqualsReplicatedBitForBit) {
   const int64_t rows = static_cast<int64_t>(s.req.seq_lens.size()) * Q;
   const auto q = make_q(rows, H, 61u + W);
   DevDecode d(s.req, q, H, Q);
-  cuda::DecodeShape shape;
-  shape.max_requests = d.b.num_requests;
-  shape.max_pages = s.req.max_pages;
-  shape.query_len = Q;
-  shape.heads = H;
-  shape.mode = mode;
+  const cuda::DecodeShape shape = decode_shape(d.b.num_requests, s.req.max_pages, Q, H, mode);
   const size_t n = static_cast<size_t>(rows) * H * shape.sel.topk;
   DevArr<int32_t> o_rep(n), o_icp(n), o_cp(n), o_gen(n);
   o_rep.fill_bytes(0x7f);
@@ -292,12 +295,7 @@ TEST_P(GpuNegScale, NegativeScaleBytesScoreLikeTheCpu) {
       ++checked;
     }
     EXPECT_GT(checked, 0);
-    cuda::DecodeShape shape;
-    shape.max_requests = d.b.num_requests;
-    shape.max_pages = s.req.max_pages;
-    shape.query_len = Q;
-    shape.heads = H;
-    shape.mode = mode;
+    const cuda::DecodeShape shape = decode_shape(d.b.num_requests, s.req.max_pages, Q, H, mode);
     const size_t n = static_cast<size_t>(rows) * H * shape.sel.topk;
     DevArr<int32_t> o_rep(n);
     cuda::DecodeStep rep({&repl[0]}, 2, 0, shape, cuda::DecodePath::kReplicated);
@@ -412,11 +410,7 @@ TEST(GpuCases, C05_FutureStaysInvisible) {
       if (W == 1) {
         cuda::decode_select(dev[0], 0, d.b, 0, 1, SelectionParams{}, KRounding::kE4m3, out.get(), nullptr);
       } else {
-        cuda::DecodeShape shape;
-        shape.max_requests = 1;
-        shape.max_pages = view.max_pages;
-        shape.query_len = 8;
-        shape.heads = 1;
+        const cuda::DecodeShape shape = decode_shape(1, view.max_pages, 8, 1);
         cuda::DecodeStep step({&dev[0], &dev[1]}, 2, 0, shape, cuda::DecodePath::kIcp);
         step.run(d.b, out.get(), nullptr);
         CUDA_OK(cudaDeviceSynchronize());
@@ -453,11 +447,7 @@ TEST(GpuCases, C08_RanksThatOwnNothing) {
   const int32_t H = 4;
   const auto q = make_q(static_cast<int64_t>(lens.size()), H, 78);
   DevDecode d(s.req, q, H, 1);
-  cuda::DecodeShape shape;
-  shape.max_requests = d.b.num_requests;
-  shape.max_pages = s.req.max_pages;
-  shape.query_len = 1;
-  shape.heads = H;
+  const cuda::DecodeShape shape = decode_shape(d.b.num_requests, s.req.max_pages, 1, H);
   const size_t n = lens.size() * H * 16;
   DevArr<int32_t> a(n), b(n);
   cuda::DecodeStep rep({&repl[0]}, 4, 0, shape, cuda::DecodePath::kReplicated);
@@ -479,11 +469,7 @@ TEST(GpuCases, C09_PaddedBatchesGiveMinusOne) {
     const int32_t H = 4, Q = 8;
     const auto q = make_q(static_cast<int64_t>(B) * Q, H, 2);
     DevDecode d(req, q, H, Q);
-    cuda::DecodeShape shape;
-    shape.max_requests = B;
-    shape.max_pages = 40;
-    shape.query_len = Q;
-    shape.heads = H;
+    const cuda::DecodeShape shape = decode_shape(B, 40, Q, H);
     const size_t n = static_cast<size_t>(B) * Q * H * 16;
     for (auto path : {cuda::DecodePath::kReplicated, cuda::DecodePath::kIcp, cuda::DecodePath::kDecodeCp}) {
       std::vector<const cuda::DeviceCache*> cs = {&repl[0]};
@@ -599,11 +585,7 @@ TEST(GpuGraph, ReplayWithChangedMetadataEqualsEager) {
   const int64_t rows = static_cast<int64_t>(B) * Q;
   const auto qA = make_q(rows, H, 92), qB = make_q(rows, H, 93);
   DevDecode d(sA.req, qA, H, Q);
-  cuda::DecodeShape shape;
-  shape.max_requests = B;
-  shape.max_pages = sA.req.max_pages;
-  shape.query_len = Q;
-  shape.heads = H;
+  const cuda::DecodeShape shape = decode_shape(B, sA.req.max_pages, Q, H);
   const size_t n = static_cast<size_t>(rows) * H * 16;
   std::vector<int32_t> lensB = {4999, 0, 2900, 129, 0, 16};
   auto btB = sA.req.block_table;  // request 0 reads request 2's pages and vice versa
