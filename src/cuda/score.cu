@@ -42,12 +42,22 @@ namespace indexcp::cuda::detail {
 
 namespace {
 
-constexpr int kWarps = 8;
-constexpr int kThreads = kWarps * 32;
 constexpr int kBuf = 2;         // half-stage buffers per warp
 constexpr int kHalfRows = 64;   // rows per half-stage; a work item ("pair") is 2 halves
 constexpr int kPlanLocal = 2048;  // requests up to which each CTA computes the plan itself
 constexpr int kModeE4m3 = 0, kModeExact = 1, kModeFp8 = 2;
+// Warps per CTA and CTAs per multiprocessor (experiment knobs; FP8 keeps 8 x 2: its stage rings
+// are twice the size)
+#ifndef INDEXCP_SCORE_WARPS
+#define INDEXCP_SCORE_WARPS 8
+#endif
+#ifndef INDEXCP_SCORE_MINB
+#define INDEXCP_SCORE_MINB 2
+#endif
+template <int MODE>
+constexpr int warps_of() { return MODE == kModeFp8 ? 8 : INDEXCP_SCORE_WARPS; }
+template <int MODE>
+constexpr int minb_of() { return MODE == kModeFp8 ? 2 : INDEXCP_SCORE_MINB; }
 
 __device__ uint2 g_khat_lut[256];
 
@@ -121,6 +131,18 @@ struct Chunk {
   int32_t nrows;
   const uint8_t* data;    // rows of key bytes (NVFP4: 64 per row; FP8: 128 per row)
   const uint8_t* scales;  // NVFP4: 8 per row
+};
+
+// The chunk table of a warp (one chunk per half-stage, not the gather): the chunks of its next
+// kTab half-stages, computed by the warp's lanes in parallel (lane i: the i-th half-stage from the
+// window's start), so that the copy issue of a half-stage (lane 0) is a table read instead of a
+// serial chunk computation with a block-table load (bench/NOTES.md, v9).
+constexpr int kTab = 32;
+struct ChunkEnt {
+  int32_t block;  // -1: not needed
+  int32_t pad;
+  const uint8_t* data;
+  const uint8_t* scales;
 };
 
 // Geometry constants of the launch, taken once from the layout's accessors (P and R are powers of
@@ -281,8 +303,8 @@ __device__ __forceinline__ void expand_fp8(uint32_t x, uint32_t* lo, uint32_t* h
   *hi = (prmt(x, x, 0xB391u) << 7) & 0xBF80BF80u;  // [b1, s1, b3, s3]
 }
 
-__device__ __forceinline__ uint32_t q_pair(const uint8_t* qv, int d0, int d1) {
-  return h2_bits(__floats2half2_rn(e4m3_decode(qv[d0]), e4m3_decode(qv[d1])));  // exact
+__device__ __forceinline__ uint32_t q_pair_bytes(uint32_t b0, uint32_t b1) {
+  return h2_bits(__floats2half2_rn(e4m3_decode(static_cast<uint8_t>(b0)), e4m3_decode(static_cast<uint8_t>(b1))));  // exact
 }
 
 template <int MODE>
@@ -291,7 +313,9 @@ constexpr int half_bytes() {
 }
 template <int MODE, int NT>
 constexpr int score_smem_bytes() {
-  return kWarps * kBuf * half_bytes<MODE>() + 256 * 8 + 8 * NT * 32 * 8 + kWarps * kBuf * 8 + kWarps * kBuf * 4 * 4 +
+  constexpr int kWarps = warps_of<MODE>();
+  return kWarps * kBuf * half_bytes<MODE>() + 256 * 8 + 8 * NT * 32 * 8 + kWarps * 2 * kTab * static_cast<int>(sizeof(ChunkEnt)) +
+         kWarps * kBuf * 8 + kWarps * kBuf * 4 * 4 +
          (kPlanLocal + 1) * 4;
 }
 
@@ -406,6 +430,45 @@ __device__ __forceinline__ void tile_frags(const uint8_t* st, int rb, int g, int
   }
 }
 
+// The block maxima of a warp: lane (g, t4) holds V = 2 NT partial maxima, value v = 2 nt + jj for
+// column 8 nt + 2 t4 + jj, over rows g, g + 8 of its tiles. A reduce-scatter over the 8 lanes of
+// a column group (lane bits 4, 3, 2 = g bits 2, 1, 0; each step halves the values a lane keeps,
+// V - 1 shuffles in all instead of 3 V) leaves in v[0] of lane (g, t4) the maximum over all 16
+// rows of value scatter_value<V>(g); scatter_writer<V>(g) marks one lane per value. Max is exact
+// and -0.0 == +0.0 in selection (spec/indexer.md section 3), so the order of the reduction does
+// not change any selection.
+template <int V>
+__host__ __device__ constexpr int scatter_value(int g) {
+  const int g2 = (g >> 2) & 1, g1 = (g >> 1) & 1, g0 = g & 1;
+  return V == 8 ? (g2 << 2 | g1 << 1 | g0) : V == 4 ? (g2 << 1 | g1) : g2;
+}
+template <int V>
+__host__ __device__ constexpr bool scatter_writer(int g) {
+  return V == 8 ? true : V == 4 ? (g & 1) == 0 : (g & 3) == 0;
+}
+template <int V>
+__device__ __forceinline__ void reduce_scatter_max(float (&v)[V], int g) {
+#pragma unroll
+  for (int step = 0; step < 3; ++step) {
+    const int mask = 16 >> step;
+    const bool hi = (g >> (2 - step)) & 1;
+    constexpr int kHalf0 = V / 2;  // values kept after the first step
+    const int C = V >> step;       // values held before this step (a constant after unrolling)
+    if (C > 1) {
+#pragma unroll
+      for (int i = 0; i < kHalf0; ++i) {
+        if (i < C / 2) {
+          const float send = hi ? v[i] : v[i + C / 2];
+          const float keep = hi ? v[i + C / 2] : v[i];
+          v[i] = fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, mask));
+        }
+      }
+    } else {
+      v[0] = fmaxf(v[0], __shfl_xor_sync(0xffffffffu, v[0], mask));
+    }
+  }
+}
+
 // Block maxima of one tile: rm[nt][jj] = max(rm, the tile's two rows) of the lane's columns.
 template <int NT>
 __device__ __forceinline__ void fold_max(const float (&acc)[NT][4], float (&rm)[NT][2]) {
@@ -457,8 +520,15 @@ __host__ __device__ constexpr int wg_b_index(int s, int n, int half, int t4) {
 #else
 #define INDEXCP_HAVE_WGMMA 0
 #endif
+#ifndef INDEXCP_SCORE_WGMMA_NT1
+#define INDEXCP_SCORE_WGMMA_NT1 0
+#endif
+#ifndef INDEXCP_SCORE_WGMMA_MIN_NT
+#define INDEXCP_SCORE_WGMMA_MIN_NT 2
+#endif
 template <int NT>
-inline constexpr bool kWgmmaTiles = NT >= 2 && INDEXCP_HAVE_WGMMA;
+inline constexpr bool kWgmmaTiles =
+    (NT >= INDEXCP_SCORE_WGMMA_MIN_NT || INDEXCP_SCORE_WGMMA_NT1) && INDEXCP_HAVE_WGMMA;
 
 // The shared-memory matrix descriptor of B (PTX ISA, "Matrix Descriptor Format"): start address,
 // LBO and SBO in units of 16 bytes (bits 0-13, 16-29, 32-45), base offset 0, no swizzle. The
@@ -489,7 +559,13 @@ __device__ __forceinline__ void wg_wait0() {
 template <int NT>
 __device__ __forceinline__ void wgmma_tile(float (&d)[NT][4], const uint32_t* a, uint64_t desc, int scale_d) {
 #if INDEXCP_HAVE_WGMMA
-  if constexpr (NT == 2) {
+  if constexpr (NT == 1) {  // only with -DINDEXCP_SCORE_WGMMA_NT1=1 (kWgmmaTiles)
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d));
+  } else if constexpr (NT == 2) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, "
@@ -497,7 +573,7 @@ __device__ __forceinline__ void wgmma_tile(float (&d)[NT][4], const uint32_t* a,
         : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
           "+f"(d[1][3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d));
-  } else if constexpr (NT == 4) {  // (NT = 1 keeps mma.sync: kWgmmaTiles)
+  } else if constexpr (NT == 4) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,"
@@ -594,19 +670,20 @@ __global__ void __launch_bounds__(1024) plan_kernel(const ScoreArgs a, int32_t* 
 }
 
 template <int MODE, int NT, bool STOCK, bool GATHER>
-__global__ void __launch_bounds__(kThreads, 2) score_kernel(const ScoreArgs a) {
+__global__ void __launch_bounds__(warps_of<MODE>() * 32, minb_of<MODE>()) score_kernel(const ScoreArgs a) {
+  constexpr int kWarps = warps_of<MODE>(), kThreads = kWarps * 32;
   constexpr bool WG = kWgmmaTiles<NT>;
   extern __shared__ __align__(128) unsigned char smem[];
   constexpr int HALF = half_bytes<MODE>();
   constexpr int ROWB = MODE == kModeFp8 ? kHeadDim : kNvfp4DataBytesPerKey;
   constexpr float kScale = MODE == kModeExact ? 1.0f : 256.0f;
   __shared__ int32_t scol[NT * 8];  // output columns of the CTA's query vectors (per request, the
-                                    // same for every warp), read at each flush except by E4M3
-                                    // NT <= 2, which copies them into registers (colr)
+                                    // same for every warp): row * 64 + head, or -1
   uint8_t* stages = smem;
   uint2* lut = reinterpret_cast<uint2*>(smem + kWarps * kBuf * HALF);
   uint2* qf = lut + 256;                                           // 8 * NT * 32: BFrags::index or wg_b_index
-  uint64_t* bars = reinterpret_cast<uint64_t*>(qf + 8 * NT * 32);  // [kWarps][kBuf]
+  ChunkEnt* tab = reinterpret_cast<ChunkEnt*>(qf + 8 * NT * 32);        // [kWarps][2][kTab]
+  uint64_t* bars = reinterpret_cast<uint64_t*>(tab + kWarps * 2 * kTab);  // [kWarps][kBuf]
   int32_t* meta = reinterpret_cast<int32_t*>(bars + kWarps * kBuf);  // [kWarps][kBuf][4]: chunk blocks
 
   // the plan (computed here for up to kPlanLocal requests: no separate kernel, no global loads in
@@ -653,8 +730,9 @@ __global__ void __launch_bounds__(kThreads, 2) score_kernel(const ScoreArgs a) {
   struct Cursor {
     int32_t b, s, end;  // request, pair within the request, end of the request's segment
     int h;
+    int32_t k;          // half-stage index within this warp's part of request b (2 per pair)
     bool valid;
-    ReqInfo ri;
+    ReqInfo ri;         // GATHER only
   };
   auto seg_of = [&](int32_t b, int32_t* s0, int32_t* s1) {
     const int64_t lo = plan[b] > p0 ? plan[b] : p0;
@@ -668,13 +746,15 @@ __global__ void __launch_bounds__(kThreads, 2) score_kernel(const ScoreArgs a) {
       int32_t s0, s1;
       seg_of(b, &s0, &s1);
       if (s0 + warp < s1) {
-        *c = Cursor{b, s0 + warp, s1, 0, true, request_info(a, b)};
+        *c = Cursor{b, s0 + warp, s1, 0, 0, true, {}};
+        if constexpr (GATHER) c->ri = request_info(a, b);  // (the chunk table reads it in refill)
         return;
       }
     }
     c->valid = false;
   };
   auto advance = [&](Cursor* c) {
+    ++c->k;
     if (c->h == 0) {
       c->h = 1;
       return;
@@ -684,6 +764,45 @@ __global__ void __launch_bounds__(kThreads, 2) score_kernel(const ScoreArgs a) {
     if (c->s < c->end) return;
     first_of(c->b + 1, c);
   };
+  // The chunk table (not the gather): when the prefetch cursor enters a half-stage outside the
+  // window [win_k0, win_k0 + kTab / nch) of request win_b, every lane computes one chunk of the new
+  // window (entry i: chunk i % nch of half-stage win_k0 + i / nch; the block-table loads go in
+  // parallel) into the other of the warp's two tables. Warp-uniform. It runs right after the
+  // cursor advances, and lane 0 reads the entry in the next issue, after a __syncwarp; lane 0's
+  // reads of the previous window, in the table not written, came before that barrier too (no
+  // barrier inside this function: one there made ptxas spill in the tile loop).
+  constexpr bool kUseTab = !GATHER;
+  const int32_t win_len = kTab / nch;  // (once: a division per half-stage cost 3% of the ICP scorer)
+  int32_t win_b = -1, win_k0 = 0, win_t = 0;
+  auto refill = [&](const Cursor& c) {
+    if (!kUseTab || (c.b == win_b && c.k < win_k0 + win_len)) return;
+    win_t ^= 1;
+    const int32_t kk = c.k + lane / nch;
+    const int32_t s = c.s + kWarps * ((kk >> 1) - (c.k >> 1));  // (c.h == c.k & 1)
+    ChunkEnt e{-1, 0, nullptr, nullptr};
+    Chunk ch;
+    if (s < c.end && half_chunk<STOCK, GATHER>(a, G, c.b, request_info(a, c.b), s, kk & 1, lane % nch, &ch)) {
+      e.block = ch.block;
+      e.data = ch.data;
+      e.scales = ch.scales;
+    }
+    tab[(warp * 2 + win_t) * kTab + lane] = e;
+    win_b = c.b;
+    win_k0 = c.k;
+  };
+  // chunk k of the half-stage at cursor c: from the table, or computed (the gather)
+  auto get_chunk = [&](const Cursor& c, int k, Chunk* ch) -> bool {
+    if constexpr (kUseTab) {
+      const ChunkEnt e = tab[(warp * 2 + win_t) * kTab + (c.k - win_k0) * nch + k];
+      ch->block = e.block;
+      ch->nrows = STOCK || G.R >= kHalfRows ? kHalfRows : G.R;
+      ch->data = e.data;
+      ch->scales = e.scales;
+      return e.block >= 0;
+    } else {
+      return half_chunk<STOCK, GATHER>(a, G, c.b, c.ri, c.s, c.h, k, ch);
+    }
+  };
   // lane 0: copies one half into a buffer and records each chunk's block (-1: not needed) in
   // the buffer's meta slots, which the warp reads after the mbarrier wait (no recomputation and
   // no block-table load on the compute side)
@@ -691,7 +810,7 @@ __global__ void __launch_bounds__(kThreads, 2) score_kernel(const ScoreArgs a) {
     constexpr int kRowBytes = ROWB + (MODE == kModeFp8 ? 0 : kNvfp4ScalesPerKey);
     if constexpr (STOCK) {  // one chunk: arrive and expect its bytes in one barrier operation
       Chunk ch;
-      const bool ok = half_chunk<STOCK, GATHER>(a, G, c.b, c.ri, c.s, c.h, 0, &ch);
+      const bool ok = get_chunk(c, 0, &ch);
       m[0] = ok ? ch.block : -1;
       if (a.debug & 2) return;  // benchmarking aid: no loads
       mbar_arrive_expect_tx(bar, ok ? ch.nrows * kRowBytes : 0);
@@ -705,7 +824,7 @@ __global__ void __launch_bounds__(kThreads, 2) score_kernel(const ScoreArgs a) {
       // non-stock scorers spill)
       for (int k = 0; k < nch; ++k) {
         Chunk ch;
-        const bool ok = half_chunk<STOCK, GATHER>(a, G, c.b, c.ri, c.s, c.h, k, &ch);
+        const bool ok = get_chunk(c, k, &ch);
         m[k] = ok ? ch.block : -1;
         if (!ok || (a.debug & 2)) continue;
         mbar_expect_tx(bar, ch.nrows * kRowBytes);
@@ -721,6 +840,9 @@ __global__ void __launch_bounds__(kThreads, 2) score_kernel(const ScoreArgs a) {
   Cursor pre;  // the prefetch cursor runs kBuf items ahead of the compute
   first_of(b_first, &pre);
   __syncthreads();  // barriers initialized, LUT loaded
+  // (the kBuf = 2 items of the prologue are the two halves of one pair: one window)
+  if (pre.valid) refill(pre);
+  __syncwarp();  // the table before lane 0 reads it
   int issued = 0;
   if (lane == 0)
     for (; issued < kBuf && pre.valid; ++issued) {
@@ -729,7 +851,8 @@ __global__ void __launch_bounds__(kThreads, 2) score_kernel(const ScoreArgs a) {
     }
   else
     for (; issued < kBuf && pre.valid; ++issued) advance(&pre);
-  __syncwarp();   // the prologue's meta writes before anyone reads them
+  if (pre.valid) refill(pre);
+  __syncwarp();  // the prologue's meta and table writes before anyone reads them
   int item = 0;  // items consumed by this warp
   const int32_t rc_half = GATHER ? (G.R < kHalfRows ? G.R : kHalfRows)
                                  : ((STOCK || G.R >= kHalfRows) ? kHalfRows : G.R);  // rows per chunk
@@ -743,19 +866,41 @@ __global__ void __launch_bounds__(kThreads, 2) score_kernel(const ScoreArgs a) {
     const int32_t nvec = ri.cnt * a.nh;
     // the query fragments of request b (every warp of the CTA takes part)
     __syncthreads();
-    // qf[BFrags<NT>::index(s, nt, ln)] (mma.sync) or the wg_b_index words (wgmma)
-    for (int e = threadIdx.x; e < 8 * NT * 32; e += kThreads) {
+    // qf[BFrags<NT>::index(s, nt, ln)] (mma.sync) or the wg_b_index words (wgmma). Each thread
+    // takes kQIt elements: first all their query bytes (one 32-bit load per element when q is
+    // 4-byte aligned, so the loads are in flight together), then the conversion.
+    constexpr int kQIt = (8 * NT * 32 + kThreads - 1) / kThreads;
+    uint32_t qraw[kQIt];
+    const bool q_aligned = (reinterpret_cast<uintptr_t>(a.q) & 3u) == 0;
+#pragma unroll
+    for (int it = 0; it < kQIt; ++it) {
+      const int e = threadIdx.x + it * kThreads;
       constexpr int NW = BFrags<NT>::NW, NG = BFrags<NT>::NG;
       const int ln = (e / NW) & 31, nt = (e / (NW * 32)) % NG * NW + e % NW, s = e / (NW * 32 * NG);
       const int n = n0 + nt * 8 + (ln >> 2);
-      uint2 v = make_uint2(0u, 0u);
-      if (n < nvec) {
+      qraw[it] = 0u;
+      if (e < 8 * NT * 32 && n < nvec) {
         const int i = n / a.nh, hh = n % a.nh;
         const uint8_t* qv = a.q + ((static_cast<int64_t>(ri.row0) + i) * a.heads + a.h0 + hh) * kHeadDim;
-        const int d = 32 * (ln & 3) + 4 * s;
-        v.x = q_pair(qv, d, d + 2);
-        v.y = q_pair(qv, d + 1, d + 3);
+        const int d = 32 * (ln & 3) + 4 * s;  // dims d .. d + 3
+        if (q_aligned) {
+          qraw[it] = *reinterpret_cast<const uint32_t*>(qv + d);
+        } else {
+          qraw[it] = static_cast<uint32_t>(qv[d]) | static_cast<uint32_t>(qv[d + 1]) << 8 |
+                     static_cast<uint32_t>(qv[d + 2]) << 16 | static_cast<uint32_t>(qv[d + 3]) << 24;
+        }
       }
+    }
+#pragma unroll
+    for (int it = 0; it < kQIt; ++it) {
+      const int e = threadIdx.x + it * kThreads;
+      if (e >= 8 * NT * 32) break;
+      constexpr int NW = BFrags<NT>::NW, NG = BFrags<NT>::NG;
+      const int ln = (e / NW) & 31, nt = (e / (NW * 32)) % NG * NW + e % NW, s = e / (NW * 32 * NG);
+      const uint32_t w = qraw[it];  // 0 (= +0.0 in E4M3) for vectors past nvec
+      uint2 v;
+      v.x = q_pair_bytes(w & 0xffu, (w >> 16) & 0xffu);         // dims d, d + 2
+      v.y = q_pair_bytes((w >> 8) & 0xffu, (w >> 24) & 0xffu);  // dims d + 1, d + 3
       if constexpr (WG) {
         uint32_t* qw = reinterpret_cast<uint32_t*>(qf);
         qw[wg_b_index<NT>(s, nt * 8 + (ln >> 2), 0, ln & 3)] = v.x;
@@ -770,12 +915,20 @@ __global__ void __launch_bounds__(kThreads, 2) score_kernel(const ScoreArgs a) {
       scol[threadIdx.x] = n < nvec ? (n / a.nh) * 64 + n % a.nh : -1;
     }
     __syncthreads();
-    // output columns in registers where they fit (E4M3 NT <= 2: -1 to -3%), else read at the flush
-    constexpr bool kColReg = NT <= 2 && MODE == kModeE4m3;
-    int32_t colr[kColReg ? NT : 1][2];
-    if constexpr (kColReg)
-      for (int nt = 0; nt < NT; ++nt)
-        for (int jj = 0; jj < 2; ++jj) colr[nt][jj] = scol[nt * 8 + 2 * t4 + jj];
+    // The one score this lane writes at each flush (reduce_scatter_max): its query vector's
+    // output row and head, and the blocks that are historical for that row (spec/indexer.md
+    // section 2); olim = 0 when the lane writes nothing
+    int64_t obase = 0;
+    int32_t olim = 0;
+    {
+      const int v = scatter_value<2 * NT>(g);
+      const int32_t cc = scatter_writer<2 * NT>(g) ? scol[(v >> 1) * 8 + 2 * t4 + (v & 1)] : -1;
+      if (cc >= 0) {
+        const int32_t i = cc >> 6, hh = cc & 63;
+        olim = (ri.seq - ri.cnt + i) >> 7;
+        obase = ((static_cast<int64_t>(ri.row0) + i) * a.nh + hh) * a.max_blocks;
+      }
+    }
     BFrags<NT> bq;
     if constexpr (!WG) bq.load(qf, lane);
     const uint64_t desc = wg_desc(qf, a.wg_desc_bits);
@@ -790,31 +943,14 @@ __global__ void __launch_bounds__(kThreads, 2) score_kernel(const ScoreArgs a) {
       for (int nt = 0; nt < NT; ++nt) rm[nt][0] = rm[nt][1] = kNaN;
       int32_t cur = -1;
       auto flush = [&]() {
+        float v[2 * NT];
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-          for (int jj = 0; jj < 2; ++jj) {
-            float v = rm[nt][jj];
-            v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 4));
-            v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 8));
-            v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 16));
-            rm[nt][jj] = v;
-          }
-        if (g == 0) {
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int jj = 0; jj < 2; ++jj) {
-              // this lane's output column
-              const int32_t cc = kColReg ? colr[kColReg ? nt : 0][jj] : scol[nt * 8 + 2 * t4 + jj];
-              if (cc >= 0) {
-                const int32_t i = cc >> 6, hh = cc & 63;
-                if (cur < ((ri.seq - ri.cnt + i) >> 7))  // historical for this row only
-                  a.scores[((static_cast<int64_t>(ri.row0) + i) * a.nh + hh) * a.max_blocks + cur] =
-                      rm[nt][jj] * kScale;
-              }
-            }
+        for (int nt = 0; nt < NT; ++nt) {
+          v[2 * nt] = rm[nt][0];
+          v[2 * nt + 1] = rm[nt][1];
         }
+        reduce_scatter_max<2 * NT>(v, g);
+        if (cur < olim) a.scores[obase + cur] = v[0] * kScale;  // historical for this row only
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) rm[nt][0] = rm[nt][1] = kNaN;
       };
@@ -862,8 +998,11 @@ __global__ void __launch_bounds__(kThreads, 2) score_kernel(const ScoreArgs a) {
         }
         if (!have) continue;
         __syncwarp();
-        if (lane == 0 && pre.valid) issue(pre, wst + buf * HALF, &wbar[buf], wmeta + buf * 4);
-        if (pre.valid) advance(&pre);
+        if (pre.valid) {
+          if (lane == 0) issue(pre, wst + buf * HALF, &wbar[buf], wmeta + buf * 4);
+          advance(&pre);
+          if (pre.valid) refill(pre);
+        }
         ++item;
       }
       if (cur >= 0) flush();
@@ -873,7 +1012,7 @@ __global__ void __launch_bounds__(kThreads, 2) score_kernel(const ScoreArgs a) {
 
 template <int MODE, int NT, bool STOCK, bool GATHER>
 void launch_t(const ScoreArgs& a, dim3 grid, cudaStream_t stream) {
-  constexpr int smem = score_smem_bytes<MODE, NT>();
+  constexpr int smem = score_smem_bytes<MODE, NT>(), kThreads = warps_of<MODE>() * 32;
   static_assert(smem <= 227 * 1024, "shared memory");
   auto k = score_kernel<MODE, NT, STOCK, GATHER>;
   check(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),

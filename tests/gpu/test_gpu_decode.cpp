@@ -246,14 +246,78 @@ INSTANTIATE_TEST_SUITE_P(All, GpuIcp,
                                             ::testing::Values(KvDtype::kNvfp4, KvDtype::kFp8),
                                             ::testing::Values(KRounding::kE4m3, KRounding::kExact)));
 
+// A head's scores must not depend on which heads share its launch. The scorer takes 8, 16 or 32
+// query vectors per CTA (Q x heads), and the sm_90a code multiplies 8 with mma.sync and 16 / 32
+// with wgmma (src/cuda/score.cu), so this pins that both compute every 16-product step to the same
+// bits: sharded == replicated depends on it wherever the ranks of a configuration score different
+// head counts (replicated TP4 ranks score 1 head of Q = 8, ICP ranks all 4). Random data, so
+// nearly every fp32 addition rounds; every score (and every -Inf) is compared bit for bit, on
+// replicated caches and on shards (the general scorer with 1 and 2 chunks per half-stage).
+class GpuHeadWidth : public ::testing::TestWithParam<std::tuple<KvDtype, KRounding, int32_t, int32_t>> {};
+
+TEST_P(GpuHeadWidth, HeadScoresDoNotDependOnTheHeadsScoredWithThem) {
+  REQUIRE_GPU();
+  const auto [dt, mode, P, W] = GetParam();
+  const int32_t H = 4, Q = 8;
+  auto s = scene({9000, 300, 20000, 4100, 129}, P, 31u + P + W);
+  auto dev = device_shards(dt, s.req, W, s.keys, s.slots);
+  const int64_t rows = static_cast<int64_t>(s.req.seq_lens.size()) * Q;
+  const auto q = make_q(rows, H, 7u + W);
+  DevDecode d(s.req, q, H, Q);
+  const int64_t mb = static_cast<int64_t>(s.req.max_pages) * P / 128;
+  auto bits_of = [&](const cuda::DeviceCache& c, int32_t h0, int32_t nh) {
+    DevArr<float> sc(static_cast<size_t>(rows) * nh * mb);
+    cuda::decode_scores(c, 0, d.b, h0, nh, mode, sc.get(), nullptr);
+    const auto v = sc.host();
+    std::vector<uint32_t> b(v.size());
+    std::memcpy(b.data(), v.data(), v.size() * sizeof(float));
+    return b;
+  };
+  for (int32_t rank = 0; rank < W; ++rank) {
+    const auto all = bits_of(dev[rank], 0, H);  // 32 vectors per CTA
+    int64_t finite = 0;
+    for (const uint32_t b : all) finite += (b & 0x7f800000u) != 0x7f800000u;
+    EXPECT_GT(finite, rows * H * 8) << "too few scores to compare, rank " << rank;
+    for (const int32_t nh : {1, 2}) {  // 8 and 16 vectors per CTA
+      for (int32_t h0 = 0; h0 < H; h0 += nh) {
+        const auto part = bits_of(dev[rank], h0, nh);
+        int64_t differ = 0, first = -1;
+        for (int64_t r = 0; r < rows; ++r)
+          for (int32_t hh = 0; hh < nh; ++hh)
+            for (int64_t blk = 0; blk < mb; ++blk)
+              if (part[(r * nh + hh) * mb + blk] != all[(r * H + h0 + hh) * mb + blk]) {
+                if (first < 0) first = (r * H + h0 + hh) * mb + blk;
+                ++differ;
+              }
+        EXPECT_EQ(differ, 0) << "rank " << rank << ": heads " << h0 << ".." << h0 + nh - 1 << " scored " << nh
+                             << " at a time differ from all " << H << " at once in " << differ
+                             << " scores; first at index " << first << " of the [rows, heads, blocks] array";
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(All, GpuHeadWidth,
+                         ::testing::Values(std::make_tuple(KvDtype::kNvfp4, KRounding::kE4m3, 128, 1),
+                                           std::make_tuple(KvDtype::kNvfp4, KRounding::kE4m3, 256, 1),
+                                           std::make_tuple(KvDtype::kNvfp4, KRounding::kE4m3, 128, 2),
+                                           std::make_tuple(KvDtype::kNvfp4, KRounding::kE4m3, 128, 4),
+                                           std::make_tuple(KvDtype::kNvfp4, KRounding::kE4m3, 256, 2),
+                                           std::make_tuple(KvDtype::kNvfp4, KRounding::kExact, 128, 1),
+                                           std::make_tuple(KvDtype::kNvfp4, KRounding::kExact, 256, 2),
+                                           std::make_tuple(KvDtype::kFp8, KRounding::kE4m3, 128, 1),
+                                           std::make_tuple(KvDtype::kFp8, KRounding::kE4m3, 128, 4)));
+
 // NVFP4 scale bytes with the sign bit set (the quantizer never writes them; a cache filled by
 // other software may hold them): every scorer must treat the scale as the signed E4M3 value it
 // is, like the CPU. Each shard flips the same logical (token, group) scales, so ICP must still
-// equal replicated bit for bit. Scores: H = 2 / 4 with Q = 8 are 16 / 32 query vectors per CTA
-// (the wgmma tiles on sm_90a, with the fix-up in the stage buffer); the replicated step at
-// W = 2 with H = 2 scores 8 vectors per rank (the mma.sync tile with its negative-scale variant),
-// checked through its selections. P128 with W = 2, 4 takes the general scorer with 1 and 2 chunks
-// per half-stage.
+// equal replicated bit for bit. Scores: H = 1 / 2 / 4 with Q = 8 are 8 / 16 / 32 query vectors per
+// CTA (8: the mma.sync tile with its negative-scale variant; 16, 32: the wgmma tiles on sm_90a,
+// with the fix-up in the stage buffer); the replicated step at W = 2 with H = 2 scores 8 vectors
+// per rank, checked through its selections. P128 with W = 2, 4 takes the general scorer with 1
+// and 2 chunks per half-stage; P256 with W = 2 runs ICP with both the general and the stock
+// scorer. ctest also runs this suite with INDEXCP_SCORE_CTAS=1 (tests/CMakeLists.txt), where each
+// warp refills its stage buffers after a fix-up and the warpgroup meets placeholders late.
 class GpuNegScale : public ::testing::TestWithParam<std::tuple<int32_t, KRounding>> {};
 
 TEST_P(GpuNegScale, NegativeScaleBytesScoreLikeTheCpu) {
@@ -275,7 +339,7 @@ TEST_P(GpuNegScale, NegativeScaleBytesScoreLikeTheCpu) {
   std::vector<cuda::DeviceCache> repl;
   repl.emplace_back(host[0].layout(), host[0].num_pages(), 1, 0);
   repl[0].upload(host[0]);
-  for (const int32_t H : {2, 4}) {
+  for (const int32_t H : {1, 2, 4}) {
     const int32_t Q = 8;
     const int64_t rows = static_cast<int64_t>(s.req.seq_lens.size()) * Q;
     const auto q = make_q(rows, H, 5u + H);
@@ -295,6 +359,7 @@ TEST_P(GpuNegScale, NegativeScaleBytesScoreLikeTheCpu) {
       ++checked;
     }
     EXPECT_GT(checked, 0);
+    if (H == 1) continue;  // scores only: 8 vectors per CTA, the mma.sync tile with its negative-scale variant
     const cuda::DecodeShape shape = decode_shape(d.b.num_requests, s.req.max_pages, Q, H, mode);
     const size_t n = static_cast<size_t>(rows) * H * shape.sel.topk;
     DevArr<int32_t> o_rep(n);
@@ -315,11 +380,16 @@ TEST_P(GpuNegScale, NegativeScaleBytesScoreLikeTheCpu) {
         shards.back().upload(h);
       }
       for (auto& c : shards) cs.push_back(&c);
-      DevArr<int32_t> o_icp(n);
-      cuda::DecodeStep icp(cs, W, 0, shape, cuda::DecodePath::kIcp, false);
-      icp.run(d.b, o_icp.get(), nullptr);
-      CUDA_OK(cudaDeviceSynchronize());
-      EXPECT_EQ(o_icp.host(), r) << "ICP with negative scales differs from replicated, H " << H << " W " << W;
+      for (const bool p256_stock : {false, true}) {  // P256 / W2: the general and the stock scorer
+        if (p256_stock && !(P == 256 && W == 2)) continue;
+        DevArr<int32_t> o_icp(n);
+        cuda::DecodeStep icp(cs, W, 0, shape, cuda::DecodePath::kIcp, p256_stock);
+        EXPECT_EQ(icp.uses_stock_scorer(0), p256_stock);
+        icp.run(d.b, o_icp.get(), nullptr);
+        CUDA_OK(cudaDeviceSynchronize());
+        EXPECT_EQ(o_icp.host(), r) << "ICP with negative scales differs from replicated, H " << H << " W " << W
+                                   << (p256_stock ? " (stock scorer)" : " (general scorer)");
+      }
     }
   }
 }
