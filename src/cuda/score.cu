@@ -14,10 +14,9 @@
 // the same fragments from registers, B = the query vectors in shared memory). A thread of a
 // quad holds 32 consecutive dimensions of its two rows; the k order of the MMA is a fixed
 // permutation of the 128 dimensions, the same in every scorer of this backend, so a (query,
-// head, token) dot product has the same bits wherever it is computed, given that mma.sync and
-// wgmma compute each 16-product step alike (the sharded == replicated suites, which pair 8-vector
-// mma.sync launches with 32-vector wgmma launches at W = 4 and 8, pass; a direct bitwise
-// comparison of the two on random data is still to be run, bench/NOTES.md v8).
+// head, token) dot product has the same bits wherever it is computed: mma.sync and wgmma compute
+// each 16-product step alike (tests/gpu/test_gpu_decode.cpp, All/GpuHeadWidth.*, compares every
+// score of a head scored alone (mma.sync), in a pair and with all four heads (wgmma) bit for bit).
 //   - NVFP4, E4M3 rounding: k_hat = e4m3(|e2m1| * |scale|) from a 256 x 8 byte table (one entry
 //     per scale byte, built on the host with formats.hpp), looked up with prmt; the E4M3 byte is
 //     turned into fp16 bits by a shift (value * 2^-8, subnormals included); the score is
