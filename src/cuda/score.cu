@@ -45,8 +45,9 @@ constexpr int kBuf = 2;         // half-stage buffers per warp
 constexpr int kHalfRows = 64;   // rows per half-stage; a work item ("pair") is 2 halves
 constexpr int kPlanLocal = 2048;  // requests up to which each CTA computes the plan itself
 constexpr int kModeE4m3 = 0, kModeExact = 1, kModeFp8 = 2;
-// Warps per CTA and CTAs per multiprocessor (experiment knobs; FP8 keeps 8 x 2: its stage rings
-// are twice the size)
+// Warps per CTA and CTAs per multiprocessor (experiment knobs, bench/NOTES.md "Knobs"; a multiple
+// of 4 warps, for the wgmma warpgroups). FP8 keeps 8 warps and a cap of 2 CTAs (its stage rings
+// are twice the size; it runs 1 CTA per multiprocessor by shared memory)
 #ifndef INDEXCP_SCORE_WARPS
 #define INDEXCP_SCORE_WARPS 8
 #endif
@@ -55,6 +56,7 @@ constexpr int kModeE4m3 = 0, kModeExact = 1, kModeFp8 = 2;
 #endif
 template <int MODE>
 constexpr int warps_of() { return MODE == kModeFp8 ? 8 : INDEXCP_SCORE_WARPS; }
+static_assert(INDEXCP_SCORE_WARPS % 4 == 0 && INDEXCP_SCORE_WARPS > 0, "INDEXCP_SCORE_WARPS: whole warpgroups");
 template <int MODE>
 constexpr int minb_of() { return MODE == kModeFp8 ? 2 : INDEXCP_SCORE_MINB; }
 
@@ -132,10 +134,10 @@ struct Chunk {
   const uint8_t* scales;  // NVFP4: 8 per row
 };
 
-// The chunk table of a warp (one chunk per half-stage, not the gather): the chunks of its next
-// kTab half-stages, computed by the warp's lanes in parallel (lane i: the i-th half-stage from the
-// window's start), so that the copy issue of a half-stage (lane 0) is a table read instead of a
-// serial chunk computation with a block-table load (bench/NOTES.md, v9).
+// The chunk table of a warp (not the gather): the chunks of its next kTab / nch half-stages (nch
+// chunks each), computed by the warp's lanes in parallel (lane i: chunk i % nch of the (i / nch)-th
+// half-stage from the window's start), so that the copy issue of a half-stage (lane 0) is a table
+// read instead of a serial chunk computation with a block-table load (bench/NOTES.md, v9).
 constexpr int kTab = 32;
 struct ChunkEnt {
   int32_t block;  // -1: not needed
@@ -432,8 +434,9 @@ __device__ __forceinline__ void tile_frags(const uint8_t* st, int rb, int g, int
 // The block maxima of a warp: lane (g, t4) holds V = 2 NT partial maxima, value v = 2 nt + jj for
 // column 8 nt + 2 t4 + jj, over rows g, g + 8 of its tiles. A reduce-scatter over the 8 lanes of
 // a column group (lane bits 4, 3, 2 = g bits 2, 1, 0; each step halves the values a lane keeps,
-// V - 1 shuffles in all instead of 3 V) leaves in v[0] of lane (g, t4) the maximum over all 16
-// rows of value scatter_value<V>(g); scatter_writer<V>(g) marks one lane per value. Max is exact
+// down to one) leaves in v[0] of lane (g, t4) the maximum over all 16
+// rows of value scatter_value<V>(g); scatter_writer<V>(g) marks one lane per value (3, 4, 7
+// shuffles for V = 2, 4, 8 instead of 6, 12, 24). Max is exact
 // and -0.0 == +0.0 in selection (spec/indexer.md section 3), so the order of the reduction does
 // not change any selection.
 template <int V>
@@ -553,7 +556,7 @@ __device__ __forceinline__ void wg_wait0() {
   asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #endif
 }
-// D (+)= A x B for m64nNk16, N = NT * 8 (16 or 32), fp32 accumulation; d holds the mma.m16n8 C layout per
+// D (+)= A x B for m64nNk16, N = NT * 8 (16 or 32; 8 with -DINDEXCP_SCORE_WGMMA_NT1=1), fp32 accumulation; d holds the mma.m16n8 C layout per
 // n-tile (d[nt][0..3]); scale_d = 0 ignores the old d.
 template <int NT>
 __device__ __forceinline__ void wgmma_tile(float (&d)[NT][4], const uint32_t* a, uint64_t desc, int scale_d) {
@@ -725,7 +728,7 @@ __global__ void __launch_bounds__(warps_of<MODE>() * 32, minb_of<MODE>()) score_
   const Geo G(a.keys);
 
   // A cursor over this warp's items (request, pair, half) in order; pairs of a request are
-  // taken round robin by the warps: pair index seg_begin + warp + 8k.
+  // taken round robin by the warps: pair index seg_begin + warp + kWarps * k.
   struct Cursor {
     int32_t b, s, end;  // request, pair within the request, end of the request's segment
     int h;
@@ -746,7 +749,7 @@ __global__ void __launch_bounds__(warps_of<MODE>() * 32, minb_of<MODE>()) score_
       seg_of(b, &s0, &s1);
       if (s0 + warp < s1) {
         *c = Cursor{b, s0 + warp, s1, 0, 0, true, {}};
-        if constexpr (GATHER) c->ri = request_info(a, b);  // (the chunk table reads it in refill)
+        if constexpr (GATHER) c->ri = request_info(a, b);  // (read by the gather's copy issue only)
         return;
       }
     }

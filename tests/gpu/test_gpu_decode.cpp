@@ -4,6 +4,8 @@
 #include "gpu_util.hpp"
 #include "indexcp/error.hpp"
 
+#include <cstdlib>
+
 using namespace gpu;
 
 namespace {
@@ -245,6 +247,49 @@ INSTANTIATE_TEST_SUITE_P(All, GpuIcp,
                          ::testing::Combine(::testing::Values(128, 256), ::testing::Values(1, 2, 4, 8),
                                             ::testing::Values(KvDtype::kNvfp4, KvDtype::kFp8),
                                             ::testing::Values(KRounding::kE4m3, KRounding::kExact)));
+
+// Long requests scored by one CTA (INDEXCP_SCORE_CTAS=1, set for this test only): each warp runs
+// about 60 pairs of one request, so its chunk table (src/cuda/score.cu) rolls over many windows,
+// with 1, 2 and 4 chunks per half-stage (P128 at W = 2, 4, 8). ICP must equal replicated bit for
+// bit, and replicated must select like the CPU.
+TEST(GpuIcp, ChunkTableWindowsRollOverInLongRequests) {
+  REQUIRE_GPU();
+  struct OneCta {
+    OneCta() { setenv("INDEXCP_SCORE_CTAS", "1", 1); }
+    ~OneCta() { unsetenv("INDEXCP_SCORE_CTAS"); }
+  } one_cta;
+  const int32_t P = 128, H = 4, Q = 8;
+  const KRounding mode = KRounding::kE4m3;
+  auto s = scene({60000, 33000}, P, 901u);
+  auto host = make_shards(KvDtype::kNvfp4, s.req, 1, s.keys, s.slots);
+  auto repl = device_shards(KvDtype::kNvfp4, s.req, 1, s.keys, s.slots);
+  const int64_t rows = static_cast<int64_t>(s.req.seq_lens.size()) * Q;
+  const auto q = make_q(rows, H, 17u);
+  DevDecode d(s.req, q, H, Q);
+  const DecodeBatch hb = host_batch(s.req, q, H, Q);
+  const auto qrows = decode_rows(hb, s.req.num_pages, P);
+  const cuda::DecodeShape shape = decode_shape(d.b.num_requests, s.req.max_pages, Q, H, mode);
+  const size_t n = static_cast<size_t>(rows) * H * shape.sel.topk;
+  DevArr<int32_t> o_rep(n);
+  cuda::DecodeStep rep({&repl[0]}, 2, 0, shape, cuda::DecodePath::kReplicated);
+  rep.run(d.b, o_rep.get(), nullptr);
+  CUDA_OK(cudaDeviceSynchronize());
+  const auto r = o_rep.host();
+  std::vector<int32_t> cpu(n);
+  decode_select(host[0], 0, hb, 0, H, shape.sel, mode, cpu.data());
+  compare_selections(r, cpu, ref_scores(host[0], s.req, qrows, q, H, mode), qrows, H, shape.sel.topk, "long requests");
+  for (const int32_t W : {2, 4, 8}) {
+    auto shards = device_shards(KvDtype::kNvfp4, s.req, W, s.keys, s.slots);
+    std::vector<const cuda::DeviceCache*> cs;
+    for (auto& c : shards) cs.push_back(&c);
+    DevArr<int32_t> o_icp(n);
+    o_icp.fill_bytes(0x7f);
+    cuda::DecodeStep icp(cs, W, 0, shape, cuda::DecodePath::kIcp);
+    icp.run(d.b, o_icp.get(), nullptr);
+    CUDA_OK(cudaDeviceSynchronize());
+    EXPECT_EQ(o_icp.host(), r) << "ICP with one scorer CTA differs from replicated, W " << W;
+  }
+}
 
 // A head's scores must not depend on which heads share its launch. The scorer takes 8, 16 or 32
 // query vectors per CTA (Q x heads), and the sm_90a code multiplies 8 with mma.sync and 16 / 32
