@@ -51,6 +51,23 @@ cuda::DecodeShape decode_shape(int32_t max_requests, int32_t max_pages, int32_t 
   return shape;
 }
 
+// One decode step (DecodeStep, one stream) over `caches` (one per rank, or one replicated
+// cache): the selections on the host, int32 [rows, heads, K]. *stock, when given, is whether
+// rank 0 used the stock scorer.
+std::vector<int32_t> step_selections(const std::vector<cuda::DeviceCache>& caches, int32_t W,
+                                     const cuda::DecodeShape& shape, cuda::DecodePath path, const DecodeBatch& b,
+                                     bool p256_stock = true, bool* stock = nullptr) {
+  std::vector<const cuda::DeviceCache*> cs;
+  for (const auto& c : caches) cs.push_back(&c);
+  DevArr<int32_t> out(static_cast<size_t>(b.rows()) * b.heads * shape.sel.topk);
+  out.fill_bytes(0x7f);
+  cuda::DecodeStep step(cs, W, 0, shape, path, p256_stock);
+  if (stock != nullptr) *stock = step.uses_stock_scorer(0);
+  step.run(b, out.get(), nullptr);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  return out.host();
+}
+
 }  // namespace
 
 class GpuDecode : public ::testing::TestWithParam<std::tuple<KvDtype, int32_t, int32_t, int32_t, KRounding>> {};
@@ -167,18 +184,15 @@ TEST(GpuDecode, SelectionIsExactAtOnePartPerMillion) {
   for (int32_t W : {1, 2, 4}) {
     auto dev = device_shards(KvDtype::kFp8, req, W, keys, slots);
     DevDecode d(req, q, 1, 1);
-    DevArr<int32_t> out(sel.topk);
     if (W == 1) {
+      DevArr<int32_t> out(sel.topk);
       cuda::decode_select(dev[0], 0, d.b, 0, 1, sel, KRounding::kE4m3, out.get(), nullptr);
+      CUDA_OK(cudaDeviceSynchronize());
+      EXPECT_EQ(out.host(), cpu) << "W = 1";
     } else {
-      std::vector<const cuda::DeviceCache*> cs;
-      for (auto& c : dev) cs.push_back(&c);
-      const cuda::DecodeShape shape = decode_shape(1, req.max_pages, 1, 1);
-      cuda::DecodeStep step(cs, W, 0, shape, cuda::DecodePath::kIcp);
-      step.run(d.b, out.get(), nullptr);
+      EXPECT_EQ(step_selections(dev, W, decode_shape(1, req.max_pages, 1, 1), cuda::DecodePath::kIcp, d.b), cpu)
+          << "W = " << W;
     }
-    CUDA_OK(cudaDeviceSynchronize());
-    EXPECT_EQ(out.host(), cpu) << "W = " << W;
   }
 }
 
@@ -269,26 +283,15 @@ TEST(GpuIcp, ChunkTableWindowsRollOverInLongRequests) {
   const DecodeBatch hb = host_batch(s.req, q, H, Q);
   const auto qrows = decode_rows(hb, s.req.num_pages, P);
   const cuda::DecodeShape shape = decode_shape(d.b.num_requests, s.req.max_pages, Q, H, mode);
-  const size_t n = static_cast<size_t>(rows) * H * shape.sel.topk;
-  DevArr<int32_t> o_rep(n);
-  cuda::DecodeStep rep({&repl[0]}, 2, 0, shape, cuda::DecodePath::kReplicated);
-  rep.run(d.b, o_rep.get(), nullptr);
-  CUDA_OK(cudaDeviceSynchronize());
-  const auto r = o_rep.host();
-  std::vector<int32_t> cpu(n);
+  const auto r = step_selections(repl, 2, shape, cuda::DecodePath::kReplicated, d.b);
+  std::vector<int32_t> cpu(r.size());
   decode_select(host[0], 0, hb, 0, H, shape.sel, mode, cpu.data());
   compare_selections(r, cpu, ref_scores(host[0], s.req, qrows, q, H, mode), qrows, H, shape.sel.topk, "long requests");
-  for (const int32_t W : {2, 4, 8}) {
-    auto shards = device_shards(KvDtype::kNvfp4, s.req, W, s.keys, s.slots);
-    std::vector<const cuda::DeviceCache*> cs;
-    for (auto& c : shards) cs.push_back(&c);
-    DevArr<int32_t> o_icp(n);
-    o_icp.fill_bytes(0x7f);
-    cuda::DecodeStep icp(cs, W, 0, shape, cuda::DecodePath::kIcp);
-    icp.run(d.b, o_icp.get(), nullptr);
-    CUDA_OK(cudaDeviceSynchronize());
-    EXPECT_EQ(o_icp.host(), r) << "ICP with one scorer CTA differs from replicated, W " << W;
-  }
+  for (const int32_t W : {2, 4, 8})
+    EXPECT_EQ(step_selections(device_shards(KvDtype::kNvfp4, s.req, W, s.keys, s.slots), W, shape,
+                              cuda::DecodePath::kIcp, d.b),
+              r)
+        << "ICP with one scorer CTA differs from replicated, W " << W;
 }
 
 // A head's scores must not depend on which heads share its launch. The scorer takes 8, 16 or 32
@@ -406,34 +409,25 @@ TEST_P(GpuNegScale, NegativeScaleBytesScoreLikeTheCpu) {
     EXPECT_GT(checked, 0);
     if (H == 1) continue;  // scores only: 8 vectors per CTA, the mma.sync tile with its negative-scale variant
     const cuda::DecodeShape shape = decode_shape(d.b.num_requests, s.req.max_pages, Q, H, mode);
-    const size_t n = static_cast<size_t>(rows) * H * shape.sel.topk;
-    DevArr<int32_t> o_rep(n);
-    cuda::DecodeStep rep({&repl[0]}, 2, 0, shape, cuda::DecodePath::kReplicated);
-    rep.run(d.b, o_rep.get(), nullptr);
-    CUDA_OK(cudaDeviceSynchronize());
-    const auto r = o_rep.host();
-    std::vector<int32_t> cpu(n);
+    const auto r = step_selections(repl, 2, shape, cuda::DecodePath::kReplicated, d.b);
+    std::vector<int32_t> cpu(r.size());
     decode_select(host[0], 0, hb, 0, H, shape.sel, mode, cpu.data());
     compare_selections(r, cpu, ref, qrows, H, shape.sel.topk, "negative scales");
     for (const int32_t W : {2, 4}) {
       auto hs = make_shards(KvDtype::kNvfp4, s.req, W, s.keys, s.slots);
       std::vector<cuda::DeviceCache> shards;
-      std::vector<const cuda::DeviceCache*> cs;
       for (auto& h : hs) {
         flip(h);
         shards.emplace_back(h.layout(), h.num_pages(), 1, h.rank());
         shards.back().upload(h);
       }
-      for (auto& c : shards) cs.push_back(&c);
       for (const bool p256_stock : {false, true}) {  // P256 / W2: the general and the stock scorer
         if (p256_stock && !(P == 256 && W == 2)) continue;
-        DevArr<int32_t> o_icp(n);
-        cuda::DecodeStep icp(cs, W, 0, shape, cuda::DecodePath::kIcp, p256_stock);
-        EXPECT_EQ(icp.uses_stock_scorer(0), p256_stock);
-        icp.run(d.b, o_icp.get(), nullptr);
-        CUDA_OK(cudaDeviceSynchronize());
-        EXPECT_EQ(o_icp.host(), r) << "ICP with negative scales differs from replicated, H " << H << " W " << W
-                                   << (p256_stock ? " (stock scorer)" : " (general scorer)");
+        bool stock = !p256_stock;
+        EXPECT_EQ(step_selections(shards, W, shape, cuda::DecodePath::kIcp, d.b, p256_stock, &stock), r)
+            << "ICP with negative scales differs from replicated, H " << H << " W " << W
+            << (p256_stock ? " (stock scorer)" : " (general scorer)");
+        EXPECT_EQ(stock, p256_stock);
       }
     }
   }
