@@ -5,10 +5,12 @@
 // (K desc, block id asc), a total order without ties. Two select / publish kernels, the same
 // selections (the GPU tests run the exactness suites with each, INDEXCP_SELECT):
 //   warp kernel, one warp per (row, head), for many problems (throughput): the keys of the row are
-//   staged once in shared memory; fast path: the kk-th largest of the 32 per-lane maxima bounds
-//   the boundary from below (kk <= 32; otherwise every candidate survives); when at most 64 keys
-//   survive they are sorted by a warp bitonic sort; fallback (plateaus of equal scores, many
-//   survivors): bisection on the 32-bit key, then the equal keys taken in ascending id order;
+//   staged once in shared memory (kStageIlp loads per lane in flight); fast path: the kk-th
+//   largest of the 32 per-lane maxima bounds the boundary from below (kk <= 32; otherwise every
+//   candidate survives); when at most 64 keys survive they are sorted by a warp bitonic sort and
+//   the selection is their first entries (select writes them in id order, each at its id's rank
+//   among them); fallback (plateaus of equal scores, many survivors): bisection on the 32-bit
+//   key, then the equal keys taken in ascending id order;
 //   CTA kernel, 256 threads per (row, head), for few problems (latency): a radix select over the
 //   32-bit keys (4 passes of 8 bits), the ties at the boundary taken in id order by a block scan.
 //   merge: one warp per (row, head) over the W x (K-1) published candidates: up to 32 of them
@@ -32,6 +34,7 @@ namespace {
 
 constexpr int kWarpsPerCta = 4;
 constexpr int kSurv = 64;      // survivors sorted in shared memory (fast path)
+constexpr int kStageIlp = 8;   // keys per lane in flight while a warp stages a row
 constexpr int kStaged = 1536;  // keys staged per warp: rows of up to 1536 blocks (196K tokens);
                                // longer rows are read from L2 directly (correct, slower)
 
@@ -141,6 +144,7 @@ __device__ void warp_boundary(int32_t n, int32_t kk, Key key, WarpSmem& sh, uint
   const int S = __reduce_add_sync(0xffffffffu, sc);
   if (S <= kSurv) {
     int base = 0;
+#pragma unroll 4
     for (int32_t i0 = 0; i0 < n; i0 += 32) {
       const int32_t i = i0 + lane;
       const uint32_t k = i < n ? key(i) : 0u;
@@ -246,15 +250,34 @@ struct SelectProblem {
       for (int k = t; k < topk; k += threads) o[k] = k < n_vis ? k : -1;
     return true;
   }
+  // Is block init + i a candidate? (select: always; publish: the rank stores rows of it and the
+  // block filter keeps it)
+  __device__ __forceinline__ bool candidate(int32_t i) const {
+    if (!publish) return true;
+    const int32_t b = init + i;
+    if (fmod > 1 && b % fmod != fres) return false;
+    const int32_t u0 = (b * kBlockTokens) & (P - 1);  // the block's first page offset (P = 128 or 256)
+    return u0 < lo_off + R && lo_off < u0 + kBlockTokens;  // rows on this rank
+  }
   // K of candidate i (block init + i); 0 when it is not a candidate
   __device__ __forceinline__ uint32_t key(int32_t i) const {
-    const int32_t b = init + i;
-    if (publish) {
-      if (fmod > 1 && b % fmod != fres) return 0u;
-      const int32_t u0 = (b * kBlockTokens) & (P - 1);  // the block's first page offset (P = 128 or 256)
-      if (!(u0 < lo_off + R && lo_off < u0 + kBlockTokens)) return 0u;  // no rows on this rank
+    return candidate(i) ? score_key(sc[init + i]) + 1u : 0u;
+  }
+  // The keys of candidates i0 + STRIDE u + t (u < kStageIlp; 0 past n): all loads of the thread
+  // are issued before the first key is computed (a load followed by its use made the select and
+  // publish kernels wait one L2 round trip per STRIDE blocks: bench/NOTES.md, v10)
+  template <int STRIDE>
+  __device__ __forceinline__ void keys_batch(int32_t i0, int t, uint32_t (&kv)[kStageIlp]) const {
+    float v[kStageIlp];
+    bool ok[kStageIlp];
+#pragma unroll
+    for (int u = 0; u < kStageIlp; ++u) {
+      const int32_t i = i0 + STRIDE * u + t;
+      ok[u] = i < n && candidate(i);
+      v[u] = ok[u] ? sc[init + i] : 0.0f;
     }
-    return score_key(sc[b]) + 1u;
+#pragma unroll
+    for (int u = 0; u < kStageIlp; ++u) kv[u] = ok[u] ? score_key(v[u]) + 1u : 0u;
   }
 };
 
@@ -278,24 +301,27 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) select_warp_kernel(const Se
   const bool staged = nc <= kStaged;
   int32_t n = nc;
   if (staged) {
-    if (publish) {
-      int base = 0;
-      for (int32_t i0 = 0; i0 < nc; i0 += 32) {
-        const int32_t i = i0 + lane;
-        const uint32_t k = i < nc ? key_global(i) : 0u;
-        const unsigned m = __ballot_sync(0xffffffffu, k != 0);
-        if (k != 0) {
-          const int p = base + __popc(m & lanemask_lt());
-          sh.key[p] = k;
-          sh.idx[p] = static_cast<uint16_t>(i);
+    int base = 0;  // publish: the keys are compacted to the blocks this rank stores
+    for (int32_t i0 = 0; i0 < nc; i0 += kStageIlp * 32) {
+      uint32_t kv[kStageIlp];
+      pb.keys_batch<32>(i0, lane, kv);
+#pragma unroll
+      for (int u = 0; u < kStageIlp; ++u) {
+        const int32_t i = i0 + 32 * u + lane;
+        if (publish) {
+          const unsigned m = __ballot_sync(0xffffffffu, kv[u] != 0);
+          if (kv[u] != 0) {
+            const int p = base + __popc(m & lanemask_lt());
+            sh.key[p] = kv[u];
+            sh.idx[p] = static_cast<uint16_t>(i);
+          }
+          base += __popc(m);
+        } else if (i < nc) {
+          sh.key[i] = kv[u];
         }
-        base += __popc(m);
       }
-      n = base;
-    } else {
-#pragma unroll 8
-      for (int32_t i = lane; i < nc; i += 32) sh.key[i] = key_global(i);
     }
+    if (publish) n = base;
     __syncwarp();
   }
   auto key = [&](int32_t j) -> uint32_t { return staged ? sh.key[j] : key_global(j); };
@@ -309,7 +335,19 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) select_warp_kernel(const Se
   if (!publish) {  // ---- selection: [0..init), chosen ids ascending, local
     for (int k = lane; k < init; k += 32) o[k] = k;
     int base = 0;
-    for (int32_t i0 = 0; i0 < nc; i0 += 32) {
+    if (S > 0) {  // the selection is the first m sorted survivors; each one's place is its id's rank
+      int c = 0;
+      for (int e = lane; e < S; e += 32) c += selected(sh.skey[e], sh.sidx[e]);
+      base = __reduce_add_sync(0xffffffffu, c);
+      for (int e = lane; e < base; e += 32) {
+        const int32_t id = sh.sidx[e];
+        int p = 0;
+#pragma unroll 4
+        for (int f = 0; f < base; ++f) p += sh.sidx[f] < id;
+        o[init + p] = init + id;
+      }
+    }
+    for (int32_t i0 = 0; S == 0 && i0 < nc; i0 += 32) {
       const int32_t i = i0 + lane;
       const bool take = i < nc && selected(key(i), i);
       const unsigned m = __ballot_sync(0xffffffffu, take);
@@ -395,10 +433,15 @@ __global__ void __launch_bounds__(kSelThreads) select_cta_kernel(const SelectLau
   const bool staged = n <= kSelStaged;
   int nonzero = 0;
   if (staged) {
-    for (int32_t i = tid; i < n; i += kSelThreads) {
-      const uint32_t k = key_global(i);
-      sh.key[i] = k;
-      nonzero += k != 0;
+    for (int32_t i0 = 0; i0 < n; i0 += kStageIlp * kSelThreads) {
+      uint32_t kv[kStageIlp];
+      pb.keys_batch<kSelThreads>(i0, tid, kv);
+#pragma unroll
+      for (int u = 0; u < kStageIlp; ++u) {
+        const int32_t i = i0 + kSelThreads * u + tid;
+        if (i < n) sh.key[i] = kv[u];
+        nonzero += kv[u] != 0;
+      }
     }
   } else {
     for (int32_t i = tid; i < n; i += kSelThreads) nonzero += key_global(i) != 0;
