@@ -44,4 +44,20 @@ inline Result run_cli(const std::string& args, const std::filesystem::path& dir,
   return r;
 }
 
+/// run_cli under `timeout -s KILL seconds`: a command that would block (reading a FIFO) ends with
+/// status 137 instead of hanging the test.
+inline Result run_cli_timeout(const std::string& args, const std::filesystem::path& dir, int seconds,
+                              const std::filesystem::path& cwd = {}) {
+  const std::filesystem::path o = dir / "stdout.txt", e = dir / "stderr.txt";
+  std::string cmd = "timeout -s KILL " + std::to_string(seconds) + " '" + INDEXCP_CLI_PATH + "' " + args + " >'" +
+                    o.string() + "' 2>'" + e.string() + "'";
+  if (!cwd.empty()) cmd = "cd '" + cwd.string() + "' && " + cmd;
+  const int rc = std::system(cmd.c_str());
+  Result r;
+  r.status = WIFEXITED(rc) ? WEXITSTATUS(rc) : 128 + (WIFSIGNALED(rc) ? WTERMSIG(rc) : 0);
+  r.out = slurp(o);
+  r.err = slurp(e);
+  return r;
+}
+
 }  // namespace cliutil

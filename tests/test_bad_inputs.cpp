@@ -8,6 +8,8 @@
 // Temporary paths are written as CASE/ (the case directory) and TMP/ (other files) in the table.
 #include <gtest/gtest.h>
 
+#include <sys/stat.h>
+
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -66,6 +68,12 @@ std::string cli(const std::string& args) {
   // Debian 12's 2.1, "not in range [2 - 1024]" in later ones): keep the catalogue to one form.
   static const std::regex cli11_range(R"(not in range \[(\S+) - (\S+)\])");
   return "exit " + std::to_string(r.status) + ": " + std::regex_replace(first_line(r.err), cli11_range, "not in range $1 to $2");
+}
+
+// The same for an input that could block (a FIFO): killed after 20 s (status 137) instead of hanging.
+std::string cli_timeout(const std::string& args) {
+  const cliutil::Result r = cliutil::run_cli_timeout(args, g_tmp, 20, g_tmp);
+  return "exit " + std::to_string(r.status) + ": " + first_line(r.err);
 }
 
 // "Error(code): message" of a library call, or what else happened.
@@ -194,6 +202,11 @@ std::vector<Entry> catalogue() {
   e.push_back({"CLI flag", "`indexcp launch --tp 2 --grace -1 -- true`", [] { return cli("launch --tp 2 --grace -1 -- true"); }});
   e.push_back({"CLI flag", "`indexcp launch --tp 2 --grace 0x10 -- true` (hex)", [] { return cli("launch --tp 2 --grace 0x10 -- true"); }});
   e.push_back({"file", "`indexcp run --json ''` (empty file name)", [] { return cli("run --json ''"); }});
+  e.push_back({"file", "`indexcp run --keys '' --queries ''` (empty file names)", [] { return cli("run --keys '' --queries ''"); }});
+  e.push_back({"file", "`indexcp run --keys fifo --queries fifo` (a FIFO: reading it would block)", [] {
+                 if (!fs::exists(g_tmp / "fifo")) ::mkfifo((g_tmp / "fifo").c_str(), 0600);
+                 return cli_timeout("run --backend cpu --keys fifo --queries fifo");
+               }});
   e.push_back({"file", "`indexcp launch --tp 2 -- indexcp-no-such-command`", [] { return cli("launch --tp 2 -- indexcp-no-such-command"); }});
   e.push_back({"file", "`indexcp launch --tp 2 -- case/case.json` (not executable)", [] { return cli("launch --tp 2 -- case/case.json"); }});
   e.push_back({"file", "`indexcp launch --tp 2 --report missing_dir/r.json -- true`",
@@ -228,6 +241,25 @@ std::vector<Entry> catalogue() {
   // ---- replay case files (each on a fresh copy of a valid case)
   e.push_back({"file", "case.json without `phase`", [] { edit_json([](json& j) { j.erase("phase"); }); return replay(); }});
   e.push_back({"file", "case.json with an unknown key `topK`", [] { edit_json([](json& j) { j["topK"] = 8; }); return replay(); }});
+  e.push_back({"file", "case.json with `tp` given twice", [] {
+                 std::string t = slurp(cf("case.json"));
+                 t.insert(t.rfind('}'), ", \"tp\": 4");
+                 std::ofstream(cf("case.json"), std::ios::trunc) << t;
+                 return replay();
+               }});
+  e.push_back({"file", "case.json a symbolic link to /dev/zero (never ends)", [] {
+                 fs::remove(cf("case.json"));
+                 fs::create_symlink("/dev/zero", cf("case.json"));
+                 return replay();
+               }});
+  e.push_back({"file", "`indexcp replay case --out out2` where out2/report.json is a directory", [] {
+                 fs::create_directories(g_tmp / "out2" / "report.json");
+                 std::string r = cli("replay case --out out2 --backend cpu");
+                 if (fs::exists(g_tmp / "out2" / "topk.npy")) r += " (and topk.npy was written)";
+                 fs::remove_all(g_tmp / "out2");
+                 return r;
+               }});
+  e.push_back({"file", "`indexcp replay case --out missing_dir/out`", [] { return cli("replay case --out missing_dir/out --backend cpu"); }});
   e.push_back({"file (out of range)", "case.json `query_len` 17", [] { edit_json([](json& j) { j["query_len"] = 17; }); return replay(); }});
   e.push_back({"file (oversized)", "case.json `tp` 2^40", [] { edit_json([](json& j) { j["tp"] = int64_t{1} << 40; }); return replay(); }});
   e.push_back({"file", "block_table.npy stored as float32", [] {

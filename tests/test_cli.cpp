@@ -2,6 +2,7 @@
 // the run report's fields, replay through the command, capacity and config.
 #include <gtest/gtest.h>
 
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -334,6 +335,76 @@ TEST(Cli, ReplayThroughTheCommand) {
   r = run("replay " + q(d / "missing") + " --out " + q(d / "out3"), d);
   expect_error(r, 2, {"missing", "no such case directory"});
   EXPECT_FALSE(fs::exists(d / "out3"));
+  fs::remove_all(d);
+}
+
+// Input paths that are not regular files (a FIFO would block the read, /dev/zero never ends), empty
+// paths, and repeated keys in case.json are refused with the file or flag named; a path or rank
+// message with bytes that are not UTF-8 still gives a valid JSON report; replay writes all of its
+// outputs or none.
+TEST(Cli, OddInputPathsAndOutputs) {
+  const fs::path d = temp_dir();
+  write_data(d / "data", 1, 600, 24, 4);
+  write_case(d / "case");
+  ASSERT_EQ(::mkfifo((d / "fifo").c_str(), 0600), 0);
+  fs::create_symlink("/dev/zero", d / "zero");
+  auto timed = [&](const std::string& args) { return cliutil::run_cli_timeout(args, d, 20); };
+  // FIFO or device as an input file: refused at once (status 137 would mean killed by the timeout)
+  expect_error(timed("run --keys " + q(d / "fifo") + " --queries " + q(d / "data" / "queries.npy")), 2,
+               {"fifo", "not a regular file"});
+  expect_error(timed("run --keys " + q(d / "zero") + " --queries " + q(d / "data" / "queries.npy")), 2,
+               {"zero", "not a regular file"});
+  expect_error(timed("config --tp 2 --page-size 128 --attention-config @" + q(d / "fifo")), 2,
+               {"fifo", "not a regular file", "--attention-config"});
+  expect_error(timed("config --tp 2 --page-size 128 --attention-config @"), 2, {"--attention-config", "@FILE"});
+  expect_error(timed("capacity --model " + q(d / "zero")), 2, {"zero", "not a regular file", "--model"});
+  for (const char* what : {"fifo", "zero", "dir"}) {
+    const fs::path c = d / (std::string("case_") + what);
+    fs::create_directories(c);
+    for (const auto& e : fs::directory_iterator(d / "case"))
+      if (e.path().filename() != "case.json") fs::copy_file(e.path(), c / e.path().filename());
+    if (std::string(what) == "fifo") ASSERT_EQ(::mkfifo((c / "case.json").c_str(), 0600), 0);
+    else if (std::string(what) == "zero") fs::create_symlink("/dev/zero", c / "case.json");
+    else fs::create_directory(c / "case.json");
+    expect_error(timed("replay " + q(c) + " --out " + q(d / "o_odd")), 2,
+                 {"case.json", std::string(what) == "dir" ? "is a directory" : "not a regular file"});
+    EXPECT_FALSE(fs::exists(d / "o_odd")) << what;
+  }
+  // a key given twice in case.json
+  {
+    std::string text = slurp(d / "case" / "case.json");
+    text.insert(text.rfind('}'), ", \"tp\": 4");
+    fs::create_directories(d / "case_dup");
+    for (const auto& e : fs::directory_iterator(d / "case")) fs::copy_file(e.path(), d / "case_dup" / e.path().filename());
+    std::ofstream(d / "case_dup" / "case.json", std::ios::trunc) << text;
+    expect_error(run("replay " + q(d / "case_dup") + " --out " + q(d / "o_dup"), d), 2,
+                 {"case.json", "\"tp\" appears twice"});
+    EXPECT_FALSE(fs::exists(d / "o_dup"));
+  }
+  // empty paths are refused, not taken for "not given"
+  expect_error(run("run --keys '' --queries ''", d), 2, {"--keys"});
+  expect_error(run("run --synthetic --data ''", d), 2, {"--data"});
+  expect_error(run("bench decode --dump ''", d), 2, {"--dump"});
+  // replay: one output that cannot be written means none is written
+  fs::create_directories(d / "o_part" / "report.json");
+  expect_error(run("replay " + q(d / "case") + " --out " + q(d / "o_part") + " --backend cpu --scores", d), 2,
+               {"report.json", "not a regular file"});
+  EXPECT_FALSE(fs::exists(d / "o_part" / "topk.npy"));
+  EXPECT_FALSE(fs::exists(d / "o_part" / "scores.npy"));
+  // the output directory is created, its parent is not
+  expect_error(run("replay " + q(d / "case") + " --out " + q(d / "no" / "such" / "o"), d), 2, {"does not exist"});
+  EXPECT_FALSE(fs::exists(d / "no"));
+  // a data path that is not UTF-8: the report is still JSON (U+FFFD for the bad byte)
+  const fs::path odd = d / "odd\xff";
+  fs::create_directories(odd);
+  fs::copy_file(d / "data" / "keys.npy", odd / "k.npy");
+  fs::copy_file(d / "data" / "queries.npy", odd / "q.npy");
+  auto r = run("run -q --keys " + q(odd / "k.npy") + " --queries " + q(odd / "q.npy") +
+                   " --tp 2 --kv-dtype nvfp4 --page-size 128 --prefill-tokens 8 --steps 1 --json " + q(d / "u.json"),
+               d);
+  ASSERT_EQ(r.status, 0) << r.err;
+  const json u = json::parse(slurp(d / "u.json"));
+  EXPECT_NE(u["data"]["name"].get<std::string>().find("\xef\xbf\xbd"), std::string::npos) << u["data"].dump();
   fs::remove_all(d);
 }
 

@@ -228,6 +228,14 @@ TEST(Launch, ReportsAreMerged) {
   EXPECT_TRUE(k["ranks"][0].is_null());
   EXPECT_TRUE(contains(k["ranks"][1]["error"].get<std::string>(), "rank1.json is not valid JSON"));
   EXPECT_EQ(k["ranks"][2]["x"], 1);
+  // a rank report with bytes that are not UTF-8 is reported as invalid JSON, and the merged
+  // report is still written (U+FFFD in place of the bad byte)
+  t = launch("--tp 1 --report '" + rep.string() + "' -- sh -c 'printf \"{\\\"a\\\": \\\"\\377\\\"}\" > "
+             "\"$INDEXCP_REPORT_DIR/rank0.json\"'",
+             d.path);
+  ASSERT_EQ(t.r.status, 0) << t.r.err;
+  const auto u = nlohmann::json::parse(slurp(rep));
+  EXPECT_TRUE(contains(u["ranks"][0]["error"].get<std::string>(), "rank0.json is not valid JSON")) << u.dump();
   // a failed launch still writes the report, naming the failed rank
   t = launch("--tp 2 --report '" + rep.string() + "' -- sh -c 'exit $((INDEXCP_RANK * 6))'", d.path);
   EXPECT_EQ(t.r.status, 6);

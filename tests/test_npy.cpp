@@ -1,6 +1,7 @@
 // The .npy reader/writer: round trips, format 2.0, and every kind of bad header or body.
 #include <gtest/gtest.h>
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -241,6 +242,19 @@ TEST(Npy, FileErrorsNameThePath) {
   }
   // cannot write into a missing directory
   EXPECT_THROW(npy::save((d / "no" / "x.npy").string(), {1}, v.data()), Error);
+  // not regular files: a FIFO (opening it would block until a writer came) and a device behind a
+  // symbolic link (/dev/zero never ends) are refused before they are opened
+  ASSERT_EQ(::mkfifo((d / "fifo.npy").c_str(), 0600), 0);
+  fs::create_symlink("/dev/zero", d / "zero.npy");
+  for (const char* name : {"fifo.npy", "zero.npy"}) {
+    try {
+      npy::load((d / name).string());
+      ADD_FAILURE() << name;
+    } catch (const Error& e) {
+      EXPECT_EQ(std::string(e.what()), (d / name).string() + ": not a regular file (a FIFO, socket or device), not a .npy file");
+      EXPECT_EQ(e.code(), ErrorCode::kIo);
+    }
+  }
   fs::remove_all(d);
 }
 

@@ -9,6 +9,7 @@
 #include <memory>
 
 #include "bench/harness.cuh"
+#include "core/json_util.hpp"
 #include "indexcp/cuda.hpp"
 #include "indexcp/error.hpp"
 #include "indexcp/nccl.hpp"
@@ -394,7 +395,8 @@ bool decode_processes(const DecodeOptions& o, const RankEnv& env) {
   // this rank's own results for the launcher's merged report ($INDEXCP_REPORT_DIR/rank<r>.json)
   if (const char* dir = std::getenv("INDEXCP_REPORT_DIR"); dir && *dir) {
     std::ofstream f(std::string(dir) + "/rank" + std::to_string(r) + ".json");
-    f << json{{"rank", r}, {"device", dev.name()}, {"cuda_device", env.device}, {"results", results}}.dump() << "\n";
+    f << indexcp::detail::dump_text(json{{"rank", r}, {"device", dev.name()}, {"cuda_device", env.device}, {"results", results}})
+      << "\n";
   }
   if (lead) {
     json rec = record_header("decode", o.run, dev,

@@ -15,6 +15,7 @@
 #include <random>
 #include <sstream>
 
+#include "core/json_util.hpp"
 #include "indexcp/cuda.hpp"
 #include "indexcp/error.hpp"
 #include "indexcp/formats.hpp"
@@ -269,7 +270,7 @@ void write_record(const json& rec, const RunOptions& o) {
   }
   std::ofstream f(path);
   if (!f) throw Error(ErrorCode::kInvalidArgument, "--out " + path + ": cannot open for writing");
-  f << rec.dump(2) << "\n";
+  f << indexcp::detail::dump_text(rec, 2) << "\n";
   if (!f) throw Error(ErrorCode::kRuntime, "--out " + path + ": write failed");
   std::printf("wrote %s\n", path.c_str());
 }

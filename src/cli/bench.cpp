@@ -72,7 +72,8 @@ BenchCommand::BenchCommand(CLI::App& app) : impl_(std::make_unique<Impl>()) {
     c->add_option("--k-rounding", o.k_rounding, "NVFP4 K rounding")->check(CLI::IsMember({"e4m3", "exact"}))->capture_default_str();
     if (!topk)
       c->add_option("--dump", o.dump,
-                    "write the replicated pages, block table, q and selections under DIR (input of bench/torch/baseline.py)");
+                    "write the replicated pages, block table, q and selections under DIR (input of bench/torch/baseline.py)")
+          ->check(non_empty_path());
     (topk ? m.topk : m.decode) = c;
   }
   {

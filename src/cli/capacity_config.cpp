@@ -11,6 +11,8 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.hpp"
+#include "core/file_util.hpp"
+#include "core/json_util.hpp"
 #include "indexcp/capacity.hpp"
 #include "indexcp/config.hpp"
 #include "indexcp/error.hpp"
@@ -26,34 +28,22 @@ namespace {
 constexpr int64_t kUpstreamOff = 5492736;
 constexpr int64_t kUpstreamOn = 6030720;
 
-
 ModelDesc load_model(const std::string& m) {
   if (m == "minimax-m3") return ModelDesc::builtin(m);
   std::error_code ec;
-  if (fs::is_regular_file(m, ec)) {
+  if (fs::exists(m, ec) || (m.size() > 5 && m.substr(m.size() - 5) == ".json")) {
+    // a missing file, a directory, a FIFO or a device is refused, naming the path and --model
+    const std::string text = detail::read_text_file(m, "--model");
     try {
-      return ModelDesc::from_json(read_text_file(m));
+      return ModelDesc::from_json(text);
     } catch (const Error& e) {
       throw Error(e.code(), m + ": " + e.what());
     }
   }
-  if (m.size() > 5 && m.substr(m.size() - 5) == ".json") throw Error(ErrorCode::kIo, m + ": no such file (--model)");
   return ModelDesc::builtin(m);  // throws, naming --model and the built-ins
 }
 
 }  // namespace
-
-std::string read_text_file(const std::string& path) {
-  std::error_code ec;
-  if (!fs::exists(path, ec)) throw Error(ErrorCode::kIo, path + ": no such file");
-  if (fs::is_directory(path, ec)) throw Error(ErrorCode::kIo, path + ": is a directory");
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error(ErrorCode::kIo, path + ": cannot open for reading");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  if (in.bad()) throw Error(ErrorCode::kIo, path + ": read error");
-  return ss.str();
-}
 
 void check_output_path(const std::string& path, const std::string& flag) {
   if (path.empty()) throw Error(ErrorCode::kInvalidArgument, flag + ": empty file name");
@@ -201,7 +191,7 @@ int capacity_command(const CapacityOptions& o) {
                                  {"ratio", static_cast<double>(kUpstreamOn) / static_cast<double>(kUpstreamOff)}};
       j["note"] = note;
     }
-    write_file_atomic(o.json_path, j.dump(2) + "\n");
+    write_file_atomic(o.json_path, detail::dump_text(j, 2) + "\n");
   }
   std::cout << os.str() << std::flush;
   return 0;
@@ -209,7 +199,10 @@ int capacity_command(const CapacityOptions& o) {
 
 int config_command(const ConfigOptions& o) {
   std::string text = o.attention_config;
-  if (!text.empty() && text[0] == '@') text = read_text_file(text.substr(1));
+  if (!text.empty() && text[0] == '@') {
+    if (text.size() == 1) throw Error(ErrorCode::kInvalidArgument, "--attention-config: \"@\" needs a file name (@FILE)");
+    text = detail::read_text_file(text.substr(1), "--attention-config");
+  }
   AttentionConfig ac;
   try {
     ac = AttentionConfig::from_json(text);

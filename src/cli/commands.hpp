@@ -88,7 +88,5 @@ void write_file_atomic(const std::string& path, const std::string& text);
 /// Throws Error (kInvalidArgument) naming `flag` unless `path`'s directory exists (checked before
 /// long work so that it cannot fail at the end).
 void check_output_path(const std::string& path, const std::string& flag);
-/// Reads a whole text file (Error kIo naming the path).
-std::string read_text_file(const std::string& path);
 
 }  // namespace indexcp::cli

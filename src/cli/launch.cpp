@@ -50,6 +50,7 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.hpp"
+#include "core/json_util.hpp"
 #include "validators.hpp"
 #include "indexcp/error.hpp"
 #include "indexcp/rendezvous.hpp"
@@ -492,13 +493,13 @@ int launch_command(const LaunchOptions& o) {
   std::string report_error;  // a report that cannot be written must not hide a rank's failure
   if (!o.report_path.empty()) {
     try {
-      write_file_atomic(o.report_path, merged.dump(2) + "\n");
+      write_file_atomic(o.report_path, detail::dump_text(merged, 2) + "\n");
     } catch (const Error& e) {
       if (stop_reason.empty()) throw;
       report_error = e.what();
     }
   } else if (any_report) {
-    std::cout << merged.dump(2) << std::endl;
+    std::cout << detail::dump_text(merged, 2) << std::endl;
   }
 
   if (stop_reason.empty()) return 0;

@@ -100,11 +100,14 @@ static int real_main(int argc, char** argv) {
       ->capture_default_str();
   run->add_option("--data", ro.data_dir,
                   std::string("data directory with keys.npy, queries.npy and meta.json (default: ") +
-                      INDEXCP_DEFAULT_DATA_DIR + ")");
-  run->add_option("--keys", ro.keys_file, "index keys: float16/float32 .npy [requests, tokens, 128]");
+                      INDEXCP_DEFAULT_DATA_DIR + ")")
+      ->check(non_empty_path());
+  run->add_option("--keys", ro.keys_file, "index keys: float16/float32 .npy [requests, tokens, 128]")
+      ->check(non_empty_path());
   run->add_option("--queries", ro.queries_file,
                   "index queries: float16/float32 .npy [requests, positions, heads, 128] for the LAST `positions` "
-                  "positions of each request");
+                  "positions of each request")
+      ->check(non_empty_path());
   run->add_flag("--synthetic", ro.synthetic, "use synthetic data (never the default)");
   run->add_option("--seed", ro.seed, "seed of the synthetic data")->capture_default_str();
   run->add_option("--requests", ro.requests, "requests to use (default: all the data holds; 4 synthetic)")

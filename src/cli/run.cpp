@@ -26,6 +26,8 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.hpp"
+#include "core/file_util.hpp"
+#include "core/json_util.hpp"
 #include "indexcp/cache.hpp"
 #include "indexcp/capacity.hpp"
 #include "indexcp/config.hpp"
@@ -484,7 +486,7 @@ int run_command(const RunOptions& opts) {
       const fs::path meta = fs::path(dir) / "meta.json";
       if (fs::exists(meta, ec)) {
         try {
-          data.meta = json::parse(read_text_file(meta.string()));
+          data.meta = json::parse(detail::read_text_file(meta.string(), "--data"));
           if (data.meta.is_object() && data.meta.contains("name") && data.meta["name"].is_string())
             data.name = data.meta["name"].get<std::string>();
         } catch (const json::exception& e) {
@@ -835,12 +837,12 @@ int run_command(const RunOptions& opts) {
                                  {"sharding", c["sharding"]}, {"selections_equal_replicated", c["selections_equal_replicated"]},
                                  {"us_per_layer_per_rank", c["us_per_layer_per_rank"]},
                                  {"prefill_us_per_layer_per_rank", c["prefill_us_per_layer_per_rank"]}});
-      write_file_atomic(std::string(dir) + "/rank" + std::to_string(env->rank) + ".json", rr.dump() + "\n");
+      write_file_atomic(std::string(dir) + "/rank" + std::to_string(env->rank) + ".json", detail::dump_text(rr) + "\n");
     }
     group->finalize();
   }
   const bool lead = !as_rank || env->rank == 0;
-  if (lead && !o.json_path.empty()) write_file_atomic(o.json_path, report.dump(2) + "\n");
+  if (lead && !o.json_path.empty()) write_file_atomic(o.json_path, detail::dump_text(report, 2) + "\n");
   if (lead) std::cout << os.str() << std::flush;
   progress("done in " + fmt("%.1f s", now_s() - t_start));
   if (!all_equal) {  // the failure's one error line, last

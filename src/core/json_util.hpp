@@ -35,9 +35,15 @@ inline nlohmann::json parse_json_strict(const std::string& text, const std::stri
   }
 }
 
+/// `v` as JSON text for files and reports; strings that are not valid UTF-8 (a path or a rank's
+/// message with arbitrary bytes) get U+FFFD in place of the bad bytes instead of an exception.
+inline std::string dump_text(const nlohmann::json& v, int indent = -1) {
+  return v.dump(indent, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
 /// A JSON value as text, cut to `max` characters (error messages stay one short line).
 inline std::string short_dump(const nlohmann::json& v, std::size_t max = 80) {
-  std::string s = v.dump();
+  std::string s = dump_text(v);
   if (s.size() > max) s = s.substr(0, max) + "... (" + std::to_string(s.size()) + " characters)";
   return s;
 }

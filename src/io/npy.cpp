@@ -327,6 +327,8 @@ Array load(const std::string& path) {
   const auto st = fs::status(path, ec);
   if (ec || !fs::exists(st)) throw Error(ErrorCode::kIo, path + ": no such file");
   if (fs::is_directory(st)) throw Error(ErrorCode::kIo, path + ": is a directory, not a .npy file");
+  if (!fs::is_regular_file(st))
+    throw Error(ErrorCode::kIo, path + ": not a regular file (a FIFO, socket or device), not a .npy file");
   std::ifstream in(path, std::ios::binary);
   if (!in) throw Error(ErrorCode::kIo, path + ": cannot open for reading");
   in.seekg(0, std::ios::end);

@@ -22,6 +22,8 @@
 #include "indexcp/config.hpp"
 #include "indexcp/error.hpp"
 #include "indexcp/icp.hpp"
+#include "core/file_util.hpp"
+#include "core/json_util.hpp"
 #include "indexcp/indexer.hpp"
 #include "indexcp/npy.hpp"
 #include "indexcp/tp_group.hpp"
@@ -137,16 +139,8 @@ int32_t get_int(const json& j, const std::string& key, const std::string& file, 
 void load_case_json(Case& c) {
   c.json_path = c.file("case.json");
   if (!fs::exists(c.json_path)) invalid(c.json_path, "no such file (a case directory needs case.json)");
-  std::ifstream in(c.json_path);
-  if (!in) throw Error(ErrorCode::kIo, c.json_path + ": cannot open for reading");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  json j;
-  try {
-    j = json::parse(ss.str());
-  } catch (const json::exception& e) {
-    invalid(c.json_path, std::string("not valid JSON (") + e.what() + ")");
-  }
+  // a regular file of at most 64 MiB; invalid JSON or a key given twice is an invalid case
+  const json j = detail::parse_json_strict(detail::read_text_file(c.json_path, ""), c.json_path);
   const std::string& f = c.json_path;
   if (!j.is_object()) invalid(f, "must hold a JSON object");
   static const char* known[] = {"phase", "attention_config", "tp", "page_size", "heads", "topk",
@@ -510,11 +504,33 @@ json diff_json(const TopkDifference& d, const char* name_a, const char* name_b) 
   return json{{"row", d.row}, {"head", d.head}, {name_a, d.a}, {name_b, d.b}};
 }
 
-// Writes `files` (name -> bytes) into out_dir, each through a temporary file and a rename.
+// Throws Error(kIo) unless the outputs `names` can be written into out_dir: out_dir is a directory,
+// or does not exist and its parent does (only out_dir itself is created), and no output exists as
+// anything but a regular file (a directory or a FIFO there would fail the write half way).
+void check_outputs(const fs::path& out_dir, const std::vector<std::string>& names) {
+  std::error_code ec;
+  if (!fs::exists(out_dir, ec)) {
+    const fs::path parent = out_dir.parent_path().empty() ? fs::path(".") : out_dir.parent_path();
+    if (!fs::is_directory(parent, ec))
+      throw Error(ErrorCode::kIo, out_dir.string() + ": directory " + parent.string() + " does not exist (--out)");
+    return;
+  }
+  for (const auto& n : names) {
+    const fs::file_status st = fs::symlink_status(out_dir / n, ec);
+    if (fs::exists(st) && !fs::is_regular_file(st))
+      throw Error(ErrorCode::kIo, (out_dir / n).string() + ": exists and is not a regular file (--out)");
+  }
+}
+
+// Writes `files` (name -> bytes) into out_dir, each through a temporary file and a rename, all or
+// nothing (check_outputs first).
 void write_outputs(const fs::path& out_dir, const std::vector<std::pair<std::string, std::vector<uint8_t>>>& files) {
+  std::vector<std::string> names;
+  for (const auto& f : files) names.push_back(f.first);
+  check_outputs(out_dir, names);
   std::error_code ec;
   const bool created = !fs::exists(out_dir);
-  fs::create_directories(out_dir, ec);
+  if (created) fs::create_directory(out_dir, ec);
   if (ec || !fs::is_directory(out_dir))
     throw Error(ErrorCode::kIo, out_dir.string() + ": cannot create the output directory (" + ec.message() + ")");
   std::vector<fs::path> tmps;
@@ -554,6 +570,9 @@ ReplayResult replay_case(const std::string& case_dir, const std::string& out_dir
     if (fs::exists(out_dir, ec) && !fs::is_directory(out_dir, ec))
       throw Error(ErrorCode::kInvalidArgument, out_dir + ": exists and is not a directory (--out)");
   }
+  // (before any work; write_outputs checks again)
+  check_outputs(out_dir, opts.scores ? std::vector<std::string>{"topk.npy", "report.json", "scores.npy"}
+                                     : std::vector<std::string>{"topk.npy", "report.json"});
   Case c;
   c.dir = case_dir;
   {
@@ -685,7 +704,7 @@ ReplayResult replay_case(const std::string& case_dir, const std::string& out_dir
   outs.push_back("report.json");
   rep["outputs"] = outs;
   rep["notes"] = c.notes;
-  res.report_json = rep.dump(2) + "\n";
+  res.report_json = detail::dump_text(rep, 2) + "\n";
   files.emplace_back("report.json", std::vector<uint8_t>(res.report_json.begin(), res.report_json.end()));
   write_outputs(out_dir, files);
   for (const auto& f : files) res.written.push_back(f.first);
