@@ -50,6 +50,7 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.hpp"
+#include "core/file_util.hpp"
 #include "core/json_util.hpp"
 #include "validators.hpp"
 #include "indexcp/error.hpp"
@@ -474,18 +475,18 @@ int launch_command(const LaunchOptions& o) {
     else if (WIFSIGNALED(rk.status)) e["signal"] = WTERMSIG(rk.status);
     per.push_back(e);
     const std::string file = reports + "/rank" + std::to_string(r) + ".json";
-    std::ifstream in(file, std::ios::binary);
-    if (!in) {
+    std::error_code ec;
+    if (!fs::exists(fs::symlink_status(file, ec))) {
       reps.push_back(nullptr);
       continue;
     }
     any_report = true;
-    std::stringstream ss;
-    ss << in.rdbuf();
-    try {
-      reps.push_back(json::parse(ss.str()));
+    try {  // (a regular file of at most 64 MiB: a rank that left a FIFO there cannot block the launcher)
+      reps.push_back(json::parse(detail::read_text_file(file, "")));
     } catch (const json::exception& ex) {
       reps.push_back(json{{"error", "rank" + std::to_string(r) + ".json is not valid JSON: " + std::string(ex.what())}});
+    } catch (const Error& ex) {
+      reps.push_back(json{{"error", std::string(ex.what())}});
     }
   }
   launcher["ranks"] = per;
