@@ -391,9 +391,28 @@ TEST(Cli, OddInputPathsAndOutputs) {
                {"report.json", "not a regular file"});
   EXPECT_FALSE(fs::exists(d / "o_part" / "topk.npy"));
   EXPECT_FALSE(fs::exists(d / "o_part" / "scores.npy"));
-  // the output directory is created, its parent is not
+  // the output directory is created (also written "new/" or "new/."), its parent is not
+  for (const char* o : {"o_new/", "o_new2/."}) {
+    auto ok = run("replay " + q(d / "case") + " --out " + q(d.string() + "/" + o) + " --backend cpu", d);
+    ASSERT_EQ(ok.status, 0) << o << ": " << ok.err;
+    EXPECT_TRUE(fs::exists(d / fs::path(o).lexically_normal() / "topk.npy")) << o;
+  }
   expect_error(run("replay " + q(d / "case") + " --out " + q(d / "no" / "such" / "o"), d), 2, {"does not exist"});
   EXPECT_FALSE(fs::exists(d / "no"));
+  expect_error(run("replay " + q(d / "case") + " --out " + q(d / "case" / "case.json" / "o"), d), 2, {"is not a directory"});
+  fs::create_symlink("loop", d / "loop");  // a symbolic-link loop: refused as an Error (status 2), not an exception
+  expect_error(run("replay " + q(d / "case") + " --out " + q(d / "loop"), d), 2, {"loop", "--out"});
+  // an output that is a symbolic link to a regular file is replaced like a regular file
+  fs::create_directories(d / "o_link");
+  { std::ofstream(d / "old_report.json") << "{}"; }
+  fs::create_symlink(d / "old_report.json", d / "o_link" / "report.json");
+  const auto r0 = run("replay " + q(d / "case") + " --out " + q(d / "o_link") + " --backend cpu", d);
+  ASSERT_EQ(r0.status, 0) << r0.err;
+  EXPECT_EQ(json::parse(slurp(d / "o_link" / "report.json"))["backend"], "cpu");
+  // meta.json of a data directory refuses a key given twice, like every JSON input
+  write_data(d / "data_dup", 1, 600, 24, 4);
+  { std::ofstream(d / "data_dup" / "meta.json", std::ios::trunc) << R"({"name": "a", "name": "b"})"; }
+  expect_error(run("run --data " + q(d / "data_dup"), d), 2, {"meta.json", "\"name\" appears twice"});
   // a data path that is not UTF-8: the report is still JSON (U+FFFD for the bad byte)
   const fs::path odd = d / "odd\xff";
   fs::create_directories(odd);

@@ -241,7 +241,7 @@ TEST(Launch, ReportsAreMerged) {
       "launch --tp 1 --report '" + rep.string() + "' -- sh -c 'mkfifo \"$INDEXCP_REPORT_DIR/rank0.json\"'", d.path, 30);
   ASSERT_EQ(fifo.status, 0) << fifo.err;
   const auto v = nlohmann::json::parse(slurp(rep));
-  EXPECT_TRUE(contains(v["ranks"][0]["error"].get<std::string>(), "not a regular file")) << v.dump();
+  EXPECT_TRUE(contains(v["ranks"][0]["error"].get<std::string>(), "rank0.json: not a regular file")) << v.dump();
   // a failed launch still writes the report, naming the failed rank
   t = launch("--tp 2 --report '" + rep.string() + "' -- sh -c 'exit $((INDEXCP_RANK * 6))'", d.path);
   EXPECT_EQ(t.r.status, 6);

@@ -251,7 +251,7 @@ TEST(Npy, FileErrorsNameThePath) {
       npy::load((d / name).string());
       ADD_FAILURE() << name;
     } catch (const Error& e) {
-      EXPECT_EQ(std::string(e.what()), (d / name).string() + ": not a regular file (a FIFO, socket or device), not a .npy file");
+      EXPECT_EQ(std::string(e.what()), (d / name).string() + ": not a regular file (a FIFO, socket or device)");
       EXPECT_EQ(e.code(), ErrorCode::kIo);
     }
   }

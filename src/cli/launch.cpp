@@ -485,8 +485,10 @@ int launch_command(const LaunchOptions& o) {
       reps.push_back(json::parse(detail::read_text_file(file, "")));
     } catch (const json::exception& ex) {
       reps.push_back(json{{"error", "rank" + std::to_string(r) + ".json is not valid JSON: " + std::string(ex.what())}});
-    } catch (const Error& ex) {
-      reps.push_back(json{{"error", std::string(ex.what())}});
+    } catch (const Error& ex) {  // named as the rank wrote it, not by the launcher's temporary path
+      std::string m = ex.what();
+      if (m.rfind(file, 0) == 0) m = "rank" + std::to_string(r) + ".json" + m.substr(file.size());
+      reps.push_back(json{{"error", m}});
     }
   }
   launcher["ranks"] = per;

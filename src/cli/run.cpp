@@ -486,7 +486,7 @@ int run_command(const RunOptions& opts) {
       const fs::path meta = fs::path(dir) / "meta.json";
       if (fs::exists(meta, ec)) {
         try {
-          data.meta = json::parse(detail::read_text_file(meta.string(), "--data"));
+          data.meta = detail::parse_json_strict(detail::read_text_file(meta.string(), "--data"), meta.string());
           if (data.meta.is_object() && data.meta.contains("name") && data.meta["name"].is_string())
             data.name = data.meta["name"].get<std::string>();
         } catch (const json::exception& e) {

@@ -12,6 +12,7 @@
 #include <map>
 #include <system_error>
 
+#include "core/file_util.hpp"
 #include "indexcp/error.hpp"
 
 namespace indexcp::npy {
@@ -322,28 +323,8 @@ Array parse(const std::vector<uint8_t>& f, const std::string& name) {
 }
 
 Array load(const std::string& path) {
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  const auto st = fs::status(path, ec);
-  if (ec || !fs::exists(st)) throw Error(ErrorCode::kIo, path + ": no such file");
-  if (fs::is_directory(st)) throw Error(ErrorCode::kIo, path + ": is a directory, not a .npy file");
-  if (!fs::is_regular_file(st))
-    throw Error(ErrorCode::kIo, path + ": not a regular file (a FIFO, socket or device), not a .npy file");
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error(ErrorCode::kIo, path + ": cannot open for reading");
-  in.seekg(0, std::ios::end);
-  const std::streamoff size = in.tellg();
-  if (size < 0) throw Error(ErrorCode::kIo, path + ": cannot determine the file size");
-  in.seekg(0, std::ios::beg);
-  std::vector<uint8_t> buf;
-  try {
-    buf.resize(static_cast<std::size_t>(size));
-  } catch (const std::bad_alloc&) {
-    throw Error(ErrorCode::kRuntime, path + ": out of memory reading " + std::to_string(size) + " bytes");
-  }
-  if (size > 0 && !in.read(reinterpret_cast<char*>(buf.data()), size))
-    throw Error(ErrorCode::kIo, path + ": read error");
-  return parse(buf, path);
+  // a regular file only: a FIFO or a device is refused before anything is read
+  return parse(detail::read_regular_file(path, "", std::numeric_limits<std::uintmax_t>::max()), path);
 }
 
 Array load_checked(const std::string& path, Dtype dtype, int ndim) {

@@ -120,7 +120,10 @@ struct Case {
   std::vector<int32_t> expected;
 
   std::string file(const char* name) const { return (dir / name).string(); }
-  bool exists(const char* name) const { return fs::exists(dir / name); }
+  bool exists(const char* name) const {  // anything there (its loader reports what is wrong with it)
+    std::error_code ec;
+    return fs::exists(fs::symlink_status(dir / name, ec));
+  }
 };
 
 int32_t get_int(const json& j, const std::string& key, const std::string& file, bool required, int32_t dflt) {
@@ -138,7 +141,8 @@ int32_t get_int(const json& j, const std::string& key, const std::string& file, 
 
 void load_case_json(Case& c) {
   c.json_path = c.file("case.json");
-  if (!fs::exists(c.json_path)) invalid(c.json_path, "no such file (a case directory needs case.json)");
+  std::error_code ec;
+  if (!fs::exists(fs::symlink_status(c.json_path, ec))) invalid(c.json_path, "no such file (a case directory needs case.json)");
   // a regular file of at most 64 MiB; invalid JSON or a key given twice is an invalid case
   const json j = detail::parse_json_strict(detail::read_text_file(c.json_path, ""), c.json_path);
   const std::string& f = c.json_path;
@@ -504,34 +508,40 @@ json diff_json(const TopkDifference& d, const char* name_a, const char* name_b) 
   return json{{"row", d.row}, {"head", d.head}, {name_a, d.a}, {name_b, d.b}};
 }
 
-// Throws Error(kIo) unless the outputs `names` can be written into out_dir: out_dir is a directory,
-// or does not exist and its parent does (only out_dir itself is created), and no output exists as
-// anything but a regular file (a directory or a FIFO there would fail the write half way).
+// The output files of a replay (written into --out).
+constexpr const char* kTopkFile = "topk.npy";
+constexpr const char* kScoresFile = "scores.npy";
+constexpr const char* kReportFile = "report.json";
+std::vector<std::string> output_names(bool scores) {
+  std::vector<std::string> n = {kTopkFile, kReportFile};
+  if (scores) n.push_back(kScoresFile);
+  return n;
+}
+
+// Throws Error naming --out unless the outputs `names` can be written into out_dir: the directory
+// is usable (detail::check_output_directory) and no output exists as anything but a regular file,
+// or a symbolic link to one (a directory or a FIFO there would fail the write half way).
 void check_outputs(const fs::path& out_dir, const std::vector<std::string>& names) {
+  detail::check_output_directory(out_dir, "--out");
   std::error_code ec;
-  if (!fs::exists(out_dir, ec)) {
-    const fs::path parent = out_dir.parent_path().empty() ? fs::path(".") : out_dir.parent_path();
-    if (!fs::is_directory(parent, ec))
-      throw Error(ErrorCode::kIo, out_dir.string() + ": directory " + parent.string() + " does not exist (--out)");
-    return;
-  }
   for (const auto& n : names) {
-    const fs::file_status st = fs::symlink_status(out_dir / n, ec);
+    const fs::file_status st = fs::status(out_dir / n, ec);
     if (fs::exists(st) && !fs::is_regular_file(st))
       throw Error(ErrorCode::kIo, (out_dir / n).string() + ": exists and is not a regular file (--out)");
   }
 }
 
-// Writes `files` (name -> bytes) into out_dir, each through a temporary file and a rename, all or
-// nothing (check_outputs first).
+// Writes `files` (name -> bytes) into out_dir: each to a temporary file first, then all renamed,
+// after check_outputs (so that nothing is written when one of them cannot be; only a rename that
+// fails after the checks, e.g. on a vanishing file system, can leave part of them written).
 void write_outputs(const fs::path& out_dir, const std::vector<std::pair<std::string, std::vector<uint8_t>>>& files) {
   std::vector<std::string> names;
   for (const auto& f : files) names.push_back(f.first);
   check_outputs(out_dir, names);
   std::error_code ec;
-  const bool created = !fs::exists(out_dir);
-  if (created) fs::create_directory(out_dir, ec);
-  if (ec || !fs::is_directory(out_dir))
+  const bool created = !fs::exists(out_dir, ec);
+  if (created) fs::create_directory(detail::directory_name(out_dir), ec);
+  if (ec || !fs::is_directory(out_dir, ec))
     throw Error(ErrorCode::kIo, out_dir.string() + ": cannot create the output directory (" + ec.message() + ")");
   std::vector<fs::path> tmps;
   try {
@@ -552,7 +562,7 @@ void write_outputs(const fs::path& out_dir, const std::vector<std::pair<std::str
     for (const auto& t : tmps) fs::remove(t, ec);
     if (created) {
       for (const auto& f : files) fs::remove(out_dir / f.first, ec);
-      fs::remove(out_dir, ec);
+      fs::remove(detail::directory_name(out_dir), ec);
     }
     throw;
   }
@@ -565,14 +575,7 @@ ReplayResult replay_case(const std::string& case_dir, const std::string& out_dir
   if (opts.backend != "cpu" && opts.backend != "cuda" && opts.backend != "auto")
     throw Error(ErrorCode::kInvalidArgument, "--backend = \"" + opts.backend + "\" is not supported; use cpu, cuda or auto");
   if (out_dir.empty()) throw Error(ErrorCode::kInvalidArgument, "--out: the output directory is empty");
-  {
-    std::error_code ec;
-    if (fs::exists(out_dir, ec) && !fs::is_directory(out_dir, ec))
-      throw Error(ErrorCode::kInvalidArgument, out_dir + ": exists and is not a directory (--out)");
-  }
-  // (before any work; write_outputs checks again)
-  check_outputs(out_dir, opts.scores ? std::vector<std::string>{"topk.npy", "report.json", "scores.npy"}
-                                     : std::vector<std::string>{"topk.npy", "report.json"});
+  check_outputs(out_dir, output_names(opts.scores));  // before any work; write_outputs checks again
   Case c;
   c.dir = case_dir;
   {
@@ -669,10 +672,10 @@ ReplayResult replay_case(const std::string& case_dir, const std::string& out_dir
 
   // outputs
   std::vector<std::pair<std::string, std::vector<uint8_t>>> files;
-  files.emplace_back("topk.npy", npy::serialize(npy::Dtype::kInt32, {c.rows, c.heads, c.sel.topk}, res.topk.data()));
+  files.emplace_back(kTopkFile, npy::serialize(npy::Dtype::kInt32, {c.rows, c.heads, c.sel.topk}, res.topk.data()));
   const int64_t max_blocks = static_cast<int64_t>(c.max_pages) * c.page_size / kBlockTokens;
   if (opts.scores)
-    files.emplace_back("scores.npy", npy::serialize(npy::Dtype::kFloat32, {c.rows, c.heads, max_blocks}, scores.data()));
+    files.emplace_back(kScoresFile, npy::serialize(npy::Dtype::kFloat32, {c.rows, c.heads, max_blocks}, scores.data()));
   json rep;
   rep["case"] = fs::absolute(c.dir).lexically_normal().string();
   rep["phase"] = c.decode ? "decode" : "prefill";
@@ -701,11 +704,11 @@ ReplayResult replay_case(const std::string& case_dir, const std::string& out_dir
                      {"total_wall_us", now_us() - t_start}};
   json outs = json::array();
   for (const auto& f : files) outs.push_back(f.first);
-  outs.push_back("report.json");
+  outs.push_back(kReportFile);
   rep["outputs"] = outs;
   rep["notes"] = c.notes;
   res.report_json = detail::dump_text(rep, 2) + "\n";
-  files.emplace_back("report.json", std::vector<uint8_t>(res.report_json.begin(), res.report_json.end()));
+  files.emplace_back(kReportFile, std::vector<uint8_t>(res.report_json.begin(), res.report_json.end()));
   write_outputs(out_dir, files);
   for (const auto& f : files) res.written.push_back(f.first);
   return res;
