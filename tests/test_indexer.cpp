@@ -206,3 +206,49 @@ TEST(Decode, BadInputsAreRefusedWithTheArgumentNamed) {
   expect_error(b, "init_blocks", bad);
   for (int32_t v : out) EXPECT_EQ(v, 5) << "a refused call wrote its output";
 }
+
+// The q check finds a NaN byte (0x7F or 0xFF) wherever it is, and names its row, head and dim:
+// first and last byte, every head, a later request's rows, in decode and prefill batches (the
+// check scans 128 bytes at a time and looks for the exact place only after a hit).
+TEST(Validation, QNaNByteFoundAnywhereWithItsPlace) {
+  const int32_t heads = 3, P = 128, pages = 4;
+  std::vector<int32_t> bt = {0, 1, 2, 3};  // 2 requests x max_pages 2
+  std::vector<int32_t> lens = {200, 256};
+  std::vector<int32_t> qs = {0, 5, 12};  // prefill: 5 and 7 rows
+  const int64_t prefill_rows_n = 12, decode_rows_n = 2 * 4;
+  std::mt19937 rng(3);
+  for (const bool prefill : {false, true}) {
+    const int64_t rows = prefill ? prefill_rows_n : decode_rows_n;
+    std::vector<uint8_t> q(static_cast<size_t>(rows) * heads * 128, 0x38);
+    std::vector<int64_t> places = {0, static_cast<int64_t>(q.size()) - 1};
+    for (int i = 0; i < 40; ++i) places.push_back(static_cast<int64_t>(rng() % q.size()));
+    for (const int64_t at : places)
+      for (const uint8_t nan : {uint8_t{0x7F}, uint8_t{0xFF}}) {
+        std::vector<uint8_t> qn = q;
+        qn[static_cast<size_t>(at)] = nan;
+        const int64_t r = at / (heads * 128), h = at / 128 % heads, d = at % 128;
+        const std::string want = "q holds a NaN byte at row " + std::to_string(r) + ", head " + std::to_string(h) +
+                                 ", dim " + std::to_string(d);
+        try {
+          if (prefill) {
+            PrefillBatch b{qn.data(), heads, bt.data(), 2, 2, lens.data(), qs.data()};
+            (void)prefill_rows(b, pages, P);
+          } else {
+            DecodeBatch b{qn.data(), heads, bt.data(), 2, 2, lens.data(), 4};
+            (void)decode_rows(b, pages, P);
+          }
+          ADD_FAILURE() << "accepted a NaN byte at " << at << (prefill ? " (prefill)" : " (decode)");
+        } catch (const Error& e) {
+          EXPECT_EQ(std::string(e.what()), want) << at;
+        }
+      }
+    // and no NaN: accepted
+    if (prefill) {
+      PrefillBatch b{q.data(), heads, bt.data(), 2, 2, lens.data(), qs.data()};
+      EXPECT_EQ(prefill_rows(b, pages, P).size(), static_cast<size_t>(prefill_rows_n));
+    } else {
+      DecodeBatch b{q.data(), heads, bt.data(), 2, 2, lens.data(), 4};
+      EXPECT_EQ(decode_rows(b, pages, P).size(), static_cast<size_t>(decode_rows_n));
+    }
+  }
+}
