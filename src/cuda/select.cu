@@ -69,12 +69,39 @@ __device__ __forceinline__ bool better(uint32_t k, int32_t i, uint32_t k2, int32
   return k > k2 || (k == k2 && i < i2);
 }
 
+// Ascending bitonic sort of 32 keys, one per lane (all 32 lanes take part).
+__device__ __forceinline__ uint64_t warp_sort_asc(uint64_t v) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int k = 2; k <= 32; k <<= 1) {
+#pragma unroll
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      const uint64_t o = __shfl_xor_sync(0xffffffffu, v, j);
+      const bool keep_min = ((lane & j) == 0) == ((lane & k) == 0);
+      v = keep_min ? (o < v ? o : v) : (o > v ? o : v);
+    }
+  }
+  return v;
+}
+
 // Sorts the S <= kSurv (= 64) survivors in sh.skey / sh.sidx into the order (K desc, index asc):
-// a bitonic sort of 64 slots, slot p = 32 r + lane in register v[r], on the composite key
-// K << 32 | ~index (indices are unique, so the order is total; empty slots are 0 and sort last).
+// a bitonic sort on the composite key K << 32 | ~index (indices are unique, so the order is
+// total; empty slots are 0 and sort last) of 32 slots, one per lane, when S <= 32, else of 64
+// slots, slot p = 32 r + lane in register v[r].
 __device__ __forceinline__ void sort_survivors(int S, WarpSmem& sh) {
   static_assert(kSurv == 64, "two slots per lane");
   const int lane = threadIdx.x & 31;
+  if (S <= 32) {  // one slot per lane: ascending on ~key is descending on key
+    uint64_t v = lane < S ? (static_cast<uint64_t>(sh.skey[lane]) << 32 | static_cast<uint32_t>(~sh.sidx[lane])) : 0u;
+    __syncwarp();
+    v = ~warp_sort_asc(~v);
+    if (lane < S) {
+      sh.skey[lane] = static_cast<uint32_t>(v >> 32);
+      sh.sidx[lane] = static_cast<int32_t>(~static_cast<uint32_t>(v));
+    }
+    __syncwarp();
+    return;
+  }
   uint64_t v[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -221,7 +248,9 @@ struct SelectProblem {
   int32_t* o;     // select: topk ids
   int32_t P, R, lo_off, fmod, fres;
 
-  __device__ __forceinline__ SelectProblem(const SelectLaunch& s, int64_t problem) {
+  // pub: publish (s.cands != nullptr, which the launch checked); a compile-time constant in each
+  // kernel instance
+  __device__ __forceinline__ SelectProblem(const SelectLaunch& s, int64_t problem, bool pub) {
     row = problem / s.nh;
     hh = static_cast<int32_t>(problem % s.nh);
     const int64_t pos = row_position(s.rows, row);
@@ -231,7 +260,7 @@ struct SelectProblem {
     local = static_cast<int32_t>(n_vis - 1);
     n = local - init;
     sc = s.scores + (row * s.nh + hh) * s.max_blocks;
-    publish = s.cands != nullptr;
+    publish = pub;
     oc = publish ? s.cands + (row * s.nh + hh) * kk : nullptr;
     o = publish ? nullptr : s.out + (row * s.out_heads + s.out_h0 + hh) * s.sel.topk;
     P = s.layout.page_size;
@@ -282,16 +311,19 @@ struct SelectProblem {
   }
 };
 
+// PUBLISH: a kernel instance each for select and publish (one instance holding both paths was
+// 9,144 instructions long and stalled on instruction fetch: bench/NOTES.md, v10)
+template <bool PUBLISH>
 __global__ void __launch_bounds__(kWarpsPerCta * 32) select_warp_kernel(const SelectLaunch s) {
   __shared__ WarpSmem shm[kWarpsPerCta];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t problem = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + warp;
   if (problem >= s.rows.rows * s.nh) return;
   WarpSmem& sh = shm[warp];
-  const SelectProblem pb(s, problem);
+  const SelectProblem pb(s, problem, PUBLISH);
   const SelectionParams sel = s.sel;
   const int32_t kk = pb.kk, local = pb.local, nc = pb.n, init = pb.init;
-  const bool publish = pb.publish;
+  constexpr bool publish = PUBLISH;
   const float* sc = pb.sc;
   Candidate* oc = pb.oc;
   int32_t* o = pb.o;
@@ -333,7 +365,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) select_warp_kernel(const Se
   warp_boundary(n, kk, key, sh, &tk, &ti, &S);
   auto selected = [&](uint32_t k, int32_t i) { return k != 0 && !better(tk, ti, k, i); };
 
-  if (!publish) {  // ---- selection: [0..init), chosen ids ascending, local
+  if constexpr (!PUBLISH) {  // ---- selection: [0..init), chosen ids ascending, local
     for (int k = lane; k < init; k += 32) o[k] = k;
     int base = 0;
     if (S > 0) {  // the selection is a prefix of the sorted survivors; each one's place is its id's rank
@@ -356,41 +388,41 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) select_warp_kernel(const Se
       base += __popc(m);
     }
     for (int k = init + base + lane; k < sel.topk; k += 32) o[k] = k == init + base ? local : -1;
-    return;
-  }
-  // ---- publish: the selection ordered by (score desc, id asc), then empty entries
-  int m = 0;
-  if (S > 0) {  // survivors sorted: the selection is their first m entries, in publish order
-    int c = 0;
-    for (int e = lane; e < S; e += 32) {
-      if (!selected(sh.skey[e], sh.sidx[e])) continue;
-      ++c;
-      const int32_t b = block_of(sh.sidx[e]);
-      oc[e] = Candidate{sc[b], b};
-    }
-    m = __reduce_add_sync(0xffffffffu, c);
-  } else {  // rounds of arg-max below the previous one, over the selection
-    uint32_t pk = UINT_MAX;
-    int32_t pi = -1;
-    for (;; ++m) {
-      uint32_t bk = 0;
-      int32_t bi = INT_MAX;
-      for (int32_t i = lane; i < n; i += 32) {
-        const uint32_t k = key(i);
-        if (selected(k, i) && better(pk, pi, k, i) && better(k, i, bk, bi)) {
-          bk = k;
-          bi = i;
-        }
+  } else {
+    // ---- publish: the selection ordered by (score desc, id asc), then empty entries
+    int m = 0;
+    if (S > 0) {  // survivors sorted: the selection is their first m entries, in publish order
+      int c = 0;
+      for (int e = lane; e < S; e += 32) {
+        if (!selected(sh.skey[e], sh.sidx[e])) continue;
+        ++c;
+        const int32_t b = block_of(sh.sidx[e]);
+        oc[e] = Candidate{sc[b], b};
       }
-      const uint32_t wk = __reduce_max_sync(0xffffffffu, bk);
-      const int32_t wi = static_cast<int32_t>(__reduce_min_sync(0xffffffffu, static_cast<unsigned>(bk == wk ? bi : INT_MAX)));
-      if (wk == 0) break;
-      if (lane == 0) oc[m] = Candidate{sc[block_of(wi)], block_of(wi)};
-      pk = wk;
-      pi = wi;
+      m = __reduce_add_sync(0xffffffffu, c);
+    } else {  // rounds of arg-max below the previous one, over the selection
+      uint32_t pk = UINT_MAX;
+      int32_t pi = -1;
+      for (;; ++m) {
+        uint32_t bk = 0;
+        int32_t bi = INT_MAX;
+        for (int32_t i = lane; i < n; i += 32) {
+          const uint32_t k = key(i);
+          if (selected(k, i) && better(pk, pi, k, i) && better(k, i, bk, bi)) {
+            bk = k;
+            bi = i;
+          }
+        }
+        const uint32_t wk = __reduce_max_sync(0xffffffffu, bk);
+        const int32_t wi = static_cast<int32_t>(__reduce_min_sync(0xffffffffu, static_cast<unsigned>(bk == wk ? bi : INT_MAX)));
+        if (wk == 0) break;
+        if (lane == 0) oc[m] = Candidate{sc[block_of(wi)], block_of(wi)};
+        pk = wk;
+        pi = wi;
+      }
     }
+    for (int k = m + lane; k < kk; k += 32) oc[k] = Candidate{-INFINITY, -1};
   }
-  for (int k = m + lane; k < kk; k += 32) oc[k] = Candidate{-INFINITY, -1};
 }
 
 // ---- select / publish: one CTA of kSelThreads per (row, head) --------------------------------
@@ -419,13 +451,13 @@ struct SelSmem {
   int32_t tie_idx;
 };
 
+template <bool PUBLISH>
 __global__ void __launch_bounds__(kSelThreads) select_cta_kernel(const SelectLaunch s) {
   __shared__ SelSmem sh;
   const int tid = threadIdx.x;
-  const SelectProblem pb(s, blockIdx.x);
+  const SelectProblem pb(s, blockIdx.x, PUBLISH);
   const SelectionParams sel = s.sel;
   const int32_t kk = pb.kk, local = pb.local, n = pb.n, init = pb.init;
-  const bool publish = pb.publish;
   const float* sc = pb.sc;
   Candidate* oc = pb.oc;
   int32_t* o = pb.o;
@@ -505,50 +537,35 @@ __global__ void __launch_bounds__(kSelThreads) select_cta_kernel(const SelectLau
   for (int32_t i = a; i < e; ++i) cnt += selected(key(i), i);
   int place, got;
   SelScan(sh.scan).ExclusiveSum(cnt, place, got);
-  if (!publish) {  // ---- selection: [0..init), chosen ids ascending, local, then -1
+  if constexpr (!PUBLISH) {  // ---- selection: [0..init), chosen ids ascending, local, then -1
     for (int k = tid; k < init; k += kSelThreads) o[k] = k;
     for (int32_t i = a; i < e; ++i)
       if (selected(key(i), i)) o[init + place++] = init + i;
     for (int k = init + got + tid; k < sel.topk; k += kSelThreads) o[k] = k == init + got ? local : -1;
-    return;
-  }
-  // ---- publish: the selection ordered by (score desc, id asc), then empty entries
-  for (int32_t i = a; i < e; ++i) {
-    const uint32_t k = key(i);
-    if (selected(k, i)) {
-      sh.sel_key[place] = k;
-      sh.sel_idx[place] = i;
-      ++place;
+  } else {
+    // ---- publish: the selection ordered by (score desc, id asc), then empty entries
+    for (int32_t i = a; i < e; ++i) {
+      const uint32_t k = key(i);
+      if (selected(k, i)) {
+        sh.sel_key[place] = k;
+        sh.sel_idx[place] = i;
+        ++place;
+      }
     }
+    __syncthreads();
+    for (int m = tid; m < got; m += kSelThreads) {
+      const uint32_t k = sh.sel_key[m];
+      const int32_t i = sh.sel_idx[m];
+      int r = 0;
+      for (int f = 0; f < got; ++f) r += better(sh.sel_key[f], sh.sel_idx[f], k, i);
+      const int32_t b = init + i;
+      oc[r] = Candidate{sc[b], b};
+    }
+    for (int k = got + tid; k < kk; k += kSelThreads) oc[k] = Candidate{-INFINITY, -1};
   }
-  __syncthreads();
-  for (int m = tid; m < got; m += kSelThreads) {
-    const uint32_t k = sh.sel_key[m];
-    const int32_t i = sh.sel_idx[m];
-    int r = 0;
-    for (int f = 0; f < got; ++f) r += better(sh.sel_key[f], sh.sel_idx[f], k, i);
-    const int32_t b = init + i;
-    oc[r] = Candidate{sc[b], b};
-  }
-  for (int k = got + tid; k < kk; k += kSelThreads) oc[k] = Candidate{-INFINITY, -1};
 }
 
 // ---- merge ---------------------------------------------------------------------------------
-
-// Ascending bitonic sort of 32 keys, one per lane (all 32 lanes take part).
-__device__ __forceinline__ uint64_t warp_sort_asc(uint64_t v) {
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int k = 2; k <= 32; k <<= 1) {
-#pragma unroll
-    for (int j = k >> 1; j > 0; j >>= 1) {
-      const uint64_t o = __shfl_xor_sync(0xffffffffu, v, j);
-      const bool keep_min = ((lane & j) == 0) == ((lane & k) == 0);
-      v = keep_min ? (o < v ? o : v) : (o > v ? o : v);
-    }
-  }
-  return v;
-}
 
 __global__ void __launch_bounds__(kWarpsPerCta * 32) merge_kernel(const MergeLaunch mg) {
   __shared__ WarpSmem shm[kWarpsPerCta];
@@ -675,11 +692,12 @@ void launch_select(const SelectLaunch& s, cudaStream_t stream) {
     check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
     cta = problems <= int64_t{4} * sms;
   }
-  if (cta) {
-    select_cta_kernel<<<static_cast<unsigned>(problems), kSelThreads, 0, stream>>>(s);
-  } else {
-    select_warp_kernel<<<static_cast<unsigned>(ceil_div(problems, kWarpsPerCta)), kWarpsPerCta * 32, 0, stream>>>(s);
-  }
+  const bool publish = s.cands != nullptr;
+  const unsigned ctas = static_cast<unsigned>(cta ? problems : ceil_div(problems, kWarpsPerCta));
+  if (cta && publish) select_cta_kernel<true><<<ctas, kSelThreads, 0, stream>>>(s);
+  else if (cta) select_cta_kernel<false><<<ctas, kSelThreads, 0, stream>>>(s);
+  else if (publish) select_warp_kernel<true><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s);
+  else select_warp_kernel<false><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s);
   INDEXCP_CUDA_LAUNCH_CHECK("select kernel launch");
 }
 
