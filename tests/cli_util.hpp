@@ -30,11 +30,14 @@ struct Result {
 };
 
 /// Runs `indexcp ARGS` (ARGS already shell-quoted) in `cwd` (empty: the current directory), with
-/// stdout and stderr captured through files in `dir`. A signal gives status 128 + signal.
+/// stdout and stderr captured through files in `dir`. A signal gives status 128 + signal. With
+/// `timeout_s` > 0 it runs under `timeout -s KILL timeout_s`, so that a command that would block
+/// (reading a FIFO) ends with status 137 instead of hanging the test.
 inline Result run_cli(const std::string& args, const std::filesystem::path& dir,
-                      const std::filesystem::path& cwd = {}) {
+                      const std::filesystem::path& cwd = {}, int timeout_s = 0) {
   const std::filesystem::path o = dir / "stdout.txt", e = dir / "stderr.txt";
-  std::string cmd = std::string("'") + INDEXCP_CLI_PATH + "' " + args + " >'" + o.string() + "' 2>'" + e.string() + "'";
+  std::string cmd = std::string(timeout_s > 0 ? "timeout -s KILL " + std::to_string(timeout_s) + " " : "") + "'" +
+                    INDEXCP_CLI_PATH + "' " + args + " >'" + o.string() + "' 2>'" + e.string() + "'";
   if (!cwd.empty()) cmd = "cd '" + cwd.string() + "' && " + cmd;
   const int rc = std::system(cmd.c_str());
   Result r;
@@ -44,20 +47,10 @@ inline Result run_cli(const std::string& args, const std::filesystem::path& dir,
   return r;
 }
 
-/// run_cli under `timeout -s KILL seconds`: a command that would block (reading a FIFO) ends with
-/// status 137 instead of hanging the test.
+/// run_cli under a kill timeout of `seconds`.
 inline Result run_cli_timeout(const std::string& args, const std::filesystem::path& dir, int seconds,
                               const std::filesystem::path& cwd = {}) {
-  const std::filesystem::path o = dir / "stdout.txt", e = dir / "stderr.txt";
-  std::string cmd = "timeout -s KILL " + std::to_string(seconds) + " '" + INDEXCP_CLI_PATH + "' " + args + " >'" +
-                    o.string() + "' 2>'" + e.string() + "'";
-  if (!cwd.empty()) cmd = "cd '" + cwd.string() + "' && " + cmd;
-  const int rc = std::system(cmd.c_str());
-  Result r;
-  r.status = WIFEXITED(rc) ? WEXITSTATUS(rc) : 128 + (WIFSIGNALED(rc) ? WTERMSIG(rc) : 0);
-  r.out = slurp(o);
-  r.err = slurp(e);
-  return r;
+  return run_cli(args, dir, cwd, seconds);
 }
 
 }  // namespace cliutil
