@@ -25,9 +25,9 @@ inline constexpr std::uintmax_t kMaxTextFileBytes = std::uintmax_t{64} << 20;
 /// The whole content of the file `path`, which must be a regular file (symbolic links followed)
 /// of at most `max_bytes`. The file is opened without blocking and checked on the open descriptor,
 /// so a FIFO (no writer: the read would block), a socket or a device (/dev/zero never ends) is
-/// refused, and at most max_bytes + 1 bytes are ever read. Errors: Error(kIo) naming the path and,
-/// when not empty, `what` (e.g. "--keys"): no such file, is a directory, not a regular file, too
-/// large, read error; Error(kRuntime) when the bytes do not fit in memory.
+/// refused, and no more than the size fstat reports (at most max_bytes) is read. Errors: Error(kIo)
+/// naming the path and, when not empty, `what` (e.g. "--keys"): no such file, is a directory, not
+/// a regular file, too large, read error; Error(kRuntime) when the bytes do not fit in memory.
 inline std::vector<uint8_t> read_regular_file(const std::string& path, const std::string& what,
                                               std::uintmax_t max_bytes) {
   const std::string by = what.empty() ? std::string() : " (" + what + ")";
