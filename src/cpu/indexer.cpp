@@ -94,7 +94,8 @@ std::vector<QueryRow> decode_rows(const DecodeBatch& b, int64_t num_pages, int32
   return rows;
 }
 
-std::vector<QueryRow> prefill_rows(const PrefillBatch& b, int64_t num_pages, int32_t page_size) {
+static std::vector<QueryRow> prefill_rows_impl(const PrefillBatch& b, int64_t num_pages, int32_t page_size,
+                                               bool check_q) {
   check_common(b.q, b.heads, b.block_table, b.num_requests, b.max_pages, b.seq_lens);
   INDEXCP_REQUIRE(b.query_start != nullptr, "query_start is null");
   INDEXCP_REQUIRE(b.query_start[0] == 0, "query_start[0] = " + std::to_string(b.query_start[0]) + " must be 0");
@@ -117,11 +118,21 @@ std::vector<QueryRow> prefill_rows(const PrefillBatch& b, int64_t num_pages, int
   for (int32_t r = 0; r < b.num_requests; ++r) {
     const int32_t t = b.query_start[r + 1] - b.query_start[r];
     const int32_t s = b.seq_lens[r];
-    if (t > 0) check_q_rows(b.q, b.query_start[r], t, b.heads);
+    if (t > 0 && check_q) check_q_rows(b.q, b.query_start[r], t, b.heads);
     for (int32_t i = 0; i < t; ++i) rows.push_back({r, static_cast<int64_t>(s) - t + i});
   }
   return rows;
 }
+
+std::vector<QueryRow> prefill_rows(const PrefillBatch& b, int64_t num_pages, int32_t page_size) {
+  return prefill_rows_impl(b, num_pages, page_size, true);
+}
+
+namespace cpu {
+std::vector<QueryRow> prefill_rows_metadata(const PrefillBatch& b, int64_t num_pages, int32_t page_size) {
+  return prefill_rows_impl(b, num_pages, page_size, false);
+}
+}  // namespace cpu
 
 BlockScores score_blocks(const IndexCache& cache, int32_t layer, const std::vector<QueryRow>& rows,
                          const int32_t* block_table, int32_t max_pages, const uint8_t* q,

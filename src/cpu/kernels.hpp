@@ -20,6 +20,10 @@ struct WorkItem {
 /// holds and returns n (0: nothing stored).
 using BlockSource = std::function<int(int32_t request, int64_t block, double* kbuf)>;
 
+/// prefill_rows without the check of q's bytes (q is only tested for null, never read): for a
+/// caller that checks them elsewhere (the CUDA backend, on the GPU, where q lives).
+std::vector<QueryRow> prefill_rows_metadata(const PrefillBatch& batch, int64_t num_pages, int32_t page_size);
+
 /// Splits rows into runs of one request (padding rows, pos < 0, are skipped): [begin, end).
 std::vector<std::pair<int64_t, int64_t>> request_runs(const std::vector<QueryRow>& rows);
 

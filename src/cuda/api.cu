@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "common.cuh"
+#include "cpu/kernels.hpp"
 #include "indexcp/cuda.hpp"
 #include "kernels.cuh"
 
@@ -126,12 +127,15 @@ ScoreLaunch decode_score_launch(const DeviceCache& c, int32_t layer, const Decod
 
 struct HostPrefill {
   std::vector<int32_t> seq_lens, query_start, block_table;
-  std::vector<uint8_t> q;
   std::vector<QueryRow> rows;
   int32_t max_rows_per_request = 1;
 };
 
-HostPrefill read_prefill(const PrefillBatch& b, int64_t num_pages, int32_t page_size) {
+// The batch's metadata copied to the host and validated there (cpu::prefill_rows_metadata), and
+// q's bytes checked on the GPU, where q lives (a prefill chunk's q is MiBs: copying it back and
+// scanning it on the host cost the synchronous prefill APIs milliseconds). The same errors, in the
+// same order, as prefill_rows on a host copy of the batch.
+HostPrefill read_prefill(const PrefillBatch& b, int64_t num_pages, int32_t page_size, cudaStream_t st) {
   INDEXCP_REQUIRE(b.num_requests >= 0, "num_requests = " + std::to_string(b.num_requests) + " must be >= 0");
   INDEXCP_REQUIRE(b.max_pages >= 0, "max_pages = " + std::to_string(b.max_pages) + " must be >= 0");
   INDEXCP_REQUIRE(b.heads >= 1 && b.heads <= 64, "heads = " + std::to_string(b.heads) + " is out of range 1..64");
@@ -142,9 +146,7 @@ HostPrefill read_prefill(const PrefillBatch& b, int64_t num_pages, int32_t page_
   h.block_table = to_host(b.block_table, static_cast<size_t>(b.num_requests) * b.max_pages, "block_table (device to host)");
   const int64_t rows = b.num_requests ? h.query_start.back() : 0;
   INDEXCP_REQUIRE(rows >= 0, "query_start[num_requests] = " + std::to_string(rows) + " is negative");
-  h.q = to_host(b.q, static_cast<size_t>(rows) * b.heads * kHeadDim, "q (device to host)");
-  PrefillBatch hb = b;
-  hb.q = h.q.data();
+  PrefillBatch hb = b;  // (q stays the device pointer: only tested for null on the host)
   hb.seq_lens = h.seq_lens.data();
   hb.query_start = h.query_start.empty() ? nullptr : h.query_start.data();
   hb.block_table = h.block_table.data();
@@ -152,9 +154,23 @@ HostPrefill read_prefill(const PrefillBatch& b, int64_t num_pages, int32_t page_
     static const int32_t zero = 0;
     hb.query_start = &zero;
   }
-  h.rows = prefill_rows(hb, num_pages, page_size);
+  h.rows = cpu::prefill_rows_metadata(hb, num_pages, page_size);
   for (int32_t r = 0; r < b.num_requests; ++r)
     h.max_rows_per_request = std::max(h.max_rows_per_request, h.query_start[r + 1] - h.query_start[r]);
+  const int64_t n = rows * b.heads * kHeadDim;
+  if (n > 0) {
+    Tmp<unsigned long long> first(1, st);
+    check(cudaMemsetAsync(first.get(), 0xff, sizeof(unsigned long long), st), "cudaMemsetAsync");
+    launch_e4m3_nan_check(b.q, n, first.get(), st);
+    unsigned long long e = ~0ull;
+    check(cudaMemcpyAsync(&e, first.get(), sizeof(e), cudaMemcpyDeviceToHost, st), "cudaMemcpyAsync (q check)");
+    check(cudaStreamSynchronize(st), "cudaStreamSynchronize (q check)");
+    if (e != ~0ull) {
+      const int64_t v = static_cast<int64_t>(e / kHeadDim);
+      throw Error(ErrorCode::kInvalidArgument, "q holds a NaN byte at row " + std::to_string(v / b.heads) + ", head " +
+                                                   std::to_string(v % b.heads) + ", dim " + std::to_string(e % kHeadDim));
+    }
+  }
   return h;
 }
 
@@ -500,7 +516,7 @@ void validate_decode_batch(const DecodeBatch& b, int64_t num_pages, int32_t page
 }
 
 int64_t validate_prefill_batch(const PrefillBatch& b, int64_t num_pages, int32_t page_size) {
-  return static_cast<int64_t>(read_prefill(b, num_pages, page_size).rows.size());
+  return static_cast<int64_t>(read_prefill(b, num_pages, page_size, nullptr).rows.size());
 }
 
 // ---- decode ---------------------------------------------------------------------------------
@@ -556,7 +572,7 @@ void prefill_select(const DeviceCache& cache, int32_t layer, const PrefillBatch&
   INDEXCP_REQUIRE(cache.layout().shards == 1, "cache is sharded (shards = " + std::to_string(cache.layout().shards) +
                                           "); prefill_select needs a replicated cache, use prefill_gather");
   check_head_range(batch.heads, h0, nh);
-  const HostPrefill hp = read_prefill(batch, cache.num_pages(), cache.layout().page_size);
+  const HostPrefill hp = read_prefill(batch, cache.num_pages(), cache.layout().page_size, cs(stream));
   const int64_t rows = static_cast<int64_t>(hp.rows.size());
   if (rows == 0) return;
   INDEXCP_REQUIRE(out != nullptr, "out is null");
@@ -655,7 +671,7 @@ GatherStats prefill_gather(Communicator& comm, const DeviceCache& shard, int32_t
   check_group(comm, shard, true);
   const PageLayout& l = shard.layout();
   INDEXCP_REQUIRE(l.dtype != KvDtype::kBf16, "shard is a bf16 cache; the gather needs fp8 or nvfp4");
-  const HostPrefill hp = read_prefill(batch, shard.num_pages(), l.page_size);
+  const HostPrefill hp = read_prefill(batch, shard.num_pages(), l.page_size, cs(stream));
   check_heads_tp(batch.heads, comm.world());
   const auto& rows = hp.rows;
   INDEXCP_REQUIRE(rows.empty() || out != nullptr, "out is null");
@@ -755,7 +771,7 @@ void prefill_local_score(Communicator& comm, const DeviceCache& shard, int32_t l
   check_layer(shard, layer);
   check_not_bf16(shard);
   check_group(comm, shard, true);
-  const HostPrefill hp = read_prefill(batch, shard.num_pages(), shard.layout().page_size);
+  const HostPrefill hp = read_prefill(batch, shard.num_pages(), shard.layout().page_size, cs(stream));
   check_heads_tp(batch.heads, comm.world());
   const int64_t nrows = static_cast<int64_t>(hp.rows.size());
   INDEXCP_REQUIRE(nrows == 0 || out != nullptr, "out is null");

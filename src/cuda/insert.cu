@@ -156,6 +156,12 @@ __global__ void insert_write_kernel(const InsertLaunch l) {
   }
 }
 
+__global__ void e4m3_nan_kernel(const uint8_t* q, int64_t n, unsigned long long* first) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    if (e4m3_is_nan(q[i])) atomicMin(first, static_cast<unsigned long long>(i));
+}
+
 __global__ void qcast_check_kernel(const QCastLaunch l) {
   const int64_t total = l.vectors * kHeadDim;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
@@ -214,6 +220,12 @@ void launch_insert(const InsertLaunch& l, cudaStream_t stream) {
   }
   insert_write_kernel<<<grid_for(l.n, 256), 256, 0, stream>>>(l);
   INDEXCP_CUDA_LAUNCH_CHECK("insert write kernel launch");
+}
+
+void launch_e4m3_nan_check(const uint8_t* q, int64_t n, unsigned long long* first, cudaStream_t stream) {
+  if (n <= 0) return;
+  e4m3_nan_kernel<<<grid_for(n, 256), 256, 0, stream>>>(q, n, first);
+  INDEXCP_CUDA_LAUNCH_CHECK("E4M3 NaN check kernel launch");
 }
 
 void launch_qcast(const QCastLaunch& l, cudaStream_t stream) {

@@ -137,4 +137,8 @@ struct QCastLaunch {
 };
 void launch_qcast(const QCastLaunch& l, cudaStream_t stream);
 
+/// *first = min(*first, the smallest i < n with q[i] an E4M3 NaN byte (0x7F, 0xFF)); the caller
+/// sets *first to ~0 (none) before. Spec: formats.md (E4M3 has no infinities, S.1111.111 is NaN).
+void launch_e4m3_nan_check(const uint8_t* q, int64_t n, unsigned long long* first, cudaStream_t stream);
+
 }  // namespace indexcp::cuda::detail

@@ -336,3 +336,59 @@ TEST(GpuPrefill, PrefillScoresEqualCpuAndReplayFromAGraph) {
   expect_msg([&] { cuda::prefill_scores(dev[0], 0, d.b, 10, 1, 3, 2, out.get(), nullptr); }, "h");
   expect_msg([&] { cuda::prefill_scores(dev[0], 3, d.b, 10, 1, 0, 4, out.get(), nullptr); }, "layer");
 }
+
+// The synchronous prefill APIs check q's bytes on the GPU: a NaN byte (0x7F or 0xFF) anywhere,
+// the first and the last byte included, is refused with the same message as the CPU reference's
+// prefill_rows (row, head, dim of the first one), by prefill_select, validate_prefill_batch and
+// prefill_gather, and prefill_select writes nothing.
+TEST(GpuPrefill, NaNByteInQIsFoundOnTheGpuWithItsPlace) {
+  REQUIRE_GPU();
+  auto s = prefill_scene(128, 17u, false);
+  auto dev = device_shards(KvDtype::kNvfp4, s.req, 1, s.keys, s.slots);
+  auto shards = device_shards(KvDtype::kNvfp4, s.req, 2, s.keys, s.slots);
+  const int64_t n = static_cast<int64_t>(s.q.size());
+  std::mt19937 rng(19);
+  std::vector<int64_t> places = {0, n - 1, n / 2};
+  for (int i = 0; i < 5; ++i) places.push_back(static_cast<int64_t>(rng() % n));
+  for (const int64_t at : places)
+    for (const uint8_t nan : {uint8_t{0x7F}, uint8_t{0xFF}}) {
+      auto sn = s;
+      sn.q[static_cast<size_t>(at)] = nan;
+      if (at != 0) sn.q[0] = 0x38;
+      std::string want;
+      try {
+        (void)prefill_rows(host_prefill(sn), sn.req.num_pages, 128);
+        ADD_FAILURE() << "the CPU accepted a NaN byte at " << at;
+      } catch (const Error& e) {
+        want = e.what();
+      }
+      ASSERT_NE(want.find("q holds a NaN byte at row"), std::string::npos) << want;
+      DevPrefill d(sn);
+      DevArr<int32_t> out(static_cast<size_t>(sn.qs.back()) * sn.heads * 16);
+      out.fill_bytes(0x5A);
+      try {
+        cuda::prefill_select(dev[0], 0, d.b, 0, sn.heads, SelectionParams{}, out.get(), nullptr);
+        ADD_FAILURE() << "prefill_select accepted a NaN byte at " << at;
+      } catch (const Error& e) {
+        EXPECT_EQ(std::string(e.what()), want) << at;
+        EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+      }
+      for (int32_t v : out.host()) ASSERT_EQ(v, 0x5A5A5A5A) << "a refused prefill_select wrote its output";
+      try {
+        (void)cuda::validate_prefill_batch(d.b, sn.req.num_pages, 128);
+        ADD_FAILURE() << "validate_prefill_batch accepted a NaN byte at " << at;
+      } catch (const Error& e) {
+        EXPECT_EQ(std::string(e.what()), want) << at;
+      }
+      std::vector<std::string> got(2);
+      cuda::run_device_ranks(2, [&](int rank, Communicator& comm, cuda::Stream st) {
+        DevArr<int32_t> o(static_cast<size_t>(sn.qs.back()) * (sn.heads / 2) * 16);
+        try {
+          (void)cuda::prefill_gather(comm, shards[rank], 0, d.b, SelectionParams{}, int64_t{256} << 20, o.get(), st);
+        } catch (const Error& e) {
+          got[rank] = e.what();
+        }
+      });
+      for (int r = 0; r < 2; ++r) EXPECT_EQ(got[r], want) << "prefill_gather rank " << r << ", byte " << at;
+    }
+}
