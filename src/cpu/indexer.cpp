@@ -59,16 +59,13 @@ static void check_q_rows(const uint8_t* q, int64_t row0, int64_t nrows, int32_t 
   for (int64_t v = 0; v < vectors; ++v) {
     const uint8_t* x = p + v * kHeadDim;
     unsigned b = 0;
-    for (int d = 0; d < kHeadDim; ++d) b |= static_cast<unsigned>((x[d] & 0x7fu) == 0x7fu);
+    for (int d = 0; d < kHeadDim; ++d) b |= static_cast<unsigned>(e4m3_is_nan(x[d]));
     bad |= b;
   }
   if (bad == 0) return;
-  for (int64_t r = row0; r < row0 + nrows; ++r)
-    for (int32_t h = 0; h < heads; ++h)
-      for (int d = 0; d < kHeadDim; ++d)
-        INDEXCP_REQUIRE(!e4m3_is_nan(q[(r * heads + h) * kHeadDim + d]),
-                "q holds a NaN byte at row " + std::to_string(r) + ", head " + std::to_string(h) +
-                    ", dim " + std::to_string(d));
+  const int64_t end = (row0 + nrows) * heads * kHeadDim;
+  for (int64_t i = row0 * heads * kHeadDim; i < end; ++i)
+    if (e4m3_is_nan(q[i])) cpu::throw_q_nan(i, heads);
 }
 
 std::vector<QueryRow> decode_rows(const DecodeBatch& b, int64_t num_pages, int32_t page_size) {
@@ -129,6 +126,12 @@ std::vector<QueryRow> prefill_rows(const PrefillBatch& b, int64_t num_pages, int
 }
 
 namespace cpu {
+void throw_q_nan(int64_t index, int32_t heads) {
+  const int64_t v = index / kHeadDim;
+  throw Error(ErrorCode::kInvalidArgument, "q holds a NaN byte at row " + std::to_string(v / heads) + ", head " +
+                                               std::to_string(v % heads) + ", dim " + std::to_string(index % kHeadDim));
+}
+
 std::vector<QueryRow> prefill_rows_metadata(const PrefillBatch& b, int64_t num_pages, int32_t page_size) {
   return prefill_rows_impl(b, num_pages, page_size, false);
 }

@@ -20,6 +20,10 @@ struct WorkItem {
 /// holds and returns n (0: nothing stored).
 using BlockSource = std::function<int(int32_t request, int64_t block, double* kbuf)>;
 
+/// Throws the error of a NaN byte in q (E4M3, [rows, heads, 128]) at flat byte `index`: "q holds a
+/// NaN byte at row r, head h, dim d" (kInvalidArgument), the one message of every q check.
+[[noreturn]] void throw_q_nan(int64_t index, int32_t heads);
+
 /// prefill_rows without the check of q's bytes (q is only tested for null, never read): for a
 /// caller that checks them elsewhere (the CUDA backend, on the GPU, where q lives).
 std::vector<QueryRow> prefill_rows_metadata(const PrefillBatch& batch, int64_t num_pages, int32_t page_size);

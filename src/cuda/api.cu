@@ -165,11 +165,7 @@ HostPrefill read_prefill(const PrefillBatch& b, int64_t num_pages, int32_t page_
     unsigned long long e = ~0ull;
     check(cudaMemcpyAsync(&e, first.get(), sizeof(e), cudaMemcpyDeviceToHost, st), "cudaMemcpyAsync (q check)");
     check(cudaStreamSynchronize(st), "cudaStreamSynchronize (q check)");
-    if (e != ~0ull) {
-      const int64_t v = static_cast<int64_t>(e / kHeadDim);
-      throw Error(ErrorCode::kInvalidArgument, "q holds a NaN byte at row " + std::to_string(v / b.heads) + ", head " +
-                                                   std::to_string(v % b.heads) + ", dim " + std::to_string(e % kHeadDim));
-    }
+    if (e != ~0ull) cpu::throw_q_nan(static_cast<int64_t>(e), b.heads);
   }
   return h;
 }
