@@ -451,6 +451,11 @@ TEST(Cli, BudgetLimitsAreReadable) {
   expect_error(run("capacity --budget-gib 1e-12", d), 2, {"--budget-gib = 1e-12", "less than one byte"});
   expect_error(run("capacity --budget-bytes 0", d), 2, {"--budget-bytes = 0", "must be > 0 and at most 1125899906842624"});
   expect_error(run("capacity --budget-bytes 1125899906842625", d), 2, {"--budget-bytes", "at most 1125899906842624"});
+  // beyond int64: the value as typed, not as the parser saturated it
+  expect_error(run("capacity --budget-bytes 99999999999999999999", d), 2,
+               {"--budget-bytes = 99999999999999999999 must be > 0"});
+  expect_error(run("capacity --budget-bytes -99999999999999999999", d), 2,
+               {"--budget-bytes = -99999999999999999999 must be > 0"});
   EXPECT_EQ(run("capacity --budget-gib 1048576", d).status, 0);
   EXPECT_EQ(run("capacity --budget-bytes 1125899906842624", d).status, 0);
   for (const std::string v : {"0", "-1", "inf", "2e6"})

@@ -103,9 +103,10 @@ int64_t budget_bytes_from_gib(double gib, const std::string& flag) {
   return bytes;
 }
 
-int64_t checked_budget_bytes(int64_t bytes, const std::string& flag) {
+int64_t checked_budget_bytes(int64_t bytes, const std::string& flag, const std::string& text) {
   if (bytes < 1 || bytes > kMaxBudgetBytes)
-    throw Error(ErrorCode::kInvalidArgument, flag + " = " + std::to_string(bytes) + " must be > 0 and at most " +
+    throw Error(ErrorCode::kInvalidArgument, flag + " = " + (text.empty() ? std::to_string(bytes) : text) +
+                                                 " must be > 0 and at most " +
                                                  std::to_string(kMaxBudgetBytes) + " (1 PiB per rank)");
   return bytes;
 }
@@ -135,7 +136,7 @@ std::string upstream_reference_note(const std::string& model, int64_t budget_byt
 }
 
 int capacity_command(const CapacityOptions& o) {
-  const int64_t budget = o.budget_bytes_given ? checked_budget_bytes(o.budget_bytes, "--budget-bytes")
+  const int64_t budget = o.budget_bytes_given ? checked_budget_bytes(o.budget_bytes, "--budget-bytes", o.budget_bytes_text)
                                               : budget_bytes_from_gib(o.budget_gib, "--budget-gib");
   if (!o.json_path.empty()) check_output_path(o.json_path, "--json");
   const ModelDesc m = load_model(o.model);

@@ -50,6 +50,7 @@ struct CapacityOptions {
   std::string model = "minimax-m3";
   double budget_gib = 100.0;
   int64_t budget_bytes = 0;  ///< used when budget_bytes_given (overrides budget_gib)
+  std::string budget_bytes_text;  ///< --budget-bytes as typed (CLI11 saturates beyond int64)
   bool budget_bytes_given = false;
   std::string kv_dtype = "nvfp4", index_dtype = "nvfp4";
   int32_t tp = 2, page_size = 128;
@@ -69,8 +70,9 @@ constexpr double kMaxBudgetGib = static_cast<double>(kMaxBudgetBytes >> 30);  //
 /// Bytes of a budget of `gib` GiB given by `flag`; Error (kInvalidArgument) naming the flag and the
 /// limits unless 0 < gib <= kMaxBudgetGib and the budget is at least one byte.
 int64_t budget_bytes_from_gib(double gib, const std::string& flag);
-/// Checks a budget in bytes given by `flag` (1 .. kMaxBudgetBytes).
-int64_t checked_budget_bytes(int64_t bytes, const std::string& flag);
+/// Checks a budget in bytes given by `flag` (1 .. kMaxBudgetBytes); the error quotes `text`, the
+/// value as typed (when not empty), since an integer beyond int64 arrives saturated.
+int64_t checked_budget_bytes(int64_t bytes, const std::string& flag, const std::string& text = {});
 
 /// `indexcp config`.
 struct ConfigOptions {
