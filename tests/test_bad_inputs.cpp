@@ -287,6 +287,16 @@ std::vector<Entry> catalogue() {
                  npy::save(cf("seq_lens.npy").string(), {2}, v.data());
                  return replay();
                }});
+  e.push_back({"corrupt header", "q.npy whose shape is a tuple nested 100,000 deep (format 2.0)", [] {
+                 // one recursion per '(' overflowed the stack (SIGSEGV) before the parser refused nesting
+                 std::string h = "{'descr': '<f4', 'fortran_order': False, 'shape': " + std::string(100000, '(') + "}";
+                 h.append((64 - (12 + h.size() + 1) % 64) % 64, ' ');
+                 h += '\n';
+                 std::string f = std::string("\x93NUMPY\x02\x00", 8);
+                 for (int i = 0; i < 4; ++i) f += static_cast<char>((h.size() >> (8 * i)) & 0xff);
+                 std::ofstream(cf("q.npy"), std::ios::binary) << f << h;
+                 return replay();
+               }});
   e.push_back({"NaN/Inf", "keys.npy with NaN in a used slot", [] {
                  npy::Array a = npy::load(cf("keys.npy").string());
                  reinterpret_cast<float*>(a.bytes.data())[3 * 128 * 128 + 5] = std::numeric_limits<float>::quiet_NaN();

@@ -188,6 +188,11 @@ TEST(Npy, EveryBadHeaderIsRefusedWithTheFileNamed) {
   expect_refused(image("{'descr': '<f4', 'fortran_order': False, 'shape': (4611686018427387904, 4)}\n", 24),
                  "too large");
   expect_refused(image("{'descr': [('a', '<f4')], 'fortran_order': False, 'shape': (6,)}\n", 24), "unsupported value");
+  // a tuple inside a tuple is refused where it starts, however deep the nesting (one recursion per
+  // '(' overflowed the stack at 50,000 levels)
+  expect_refused(image("{'descr': '<f4', 'fortran_order': False, 'shape': ((6,),)}\n", 24), "a tuple inside a tuple");
+  expect_refused(image("{'descr': '<f4', 'fortran_order': False, 'shape': " + std::string(200000, '(') + "}\n", 24, 2, 0),
+                 "a tuple inside a tuple");
   // dtypes
   expect_refused(image("{'descr': '>f4', 'fortran_order': False, 'shape': (6,)}\n", 24), "big-endian");
   expect_refused(image("{'descr': '<f8', 'fortran_order': False, 'shape': (3,)}\n", 24), "'<f8' is not supported");

@@ -57,6 +57,12 @@ struct KeyPreprocess {
   const int64_t* positions = nullptr;  ///< [num_tokens] absolute positions, for RoPE
 };
 
+/// Throws Error (kInvalidArgument) naming the field unless eps is finite and >= 0 (when
+/// norm_weight is set), rope_theta finite and > 0 and positions not null (when rope is on). The
+/// weights themselves are not read here (they may live on the device); a non-finite weight shows
+/// as a non-finite key after RMSNorm.
+void check_preprocess(const KeyPreprocess& pre);
+
 /// Applies RMSNorm and/or partial NeoX RoPE to one 128-value vector, exactly as indexer.md
 /// section 6 specifies (separately rounded fp32 operations, cos/sin in double rounded to fp32).
 /// `in` and `out` may alias.
@@ -69,6 +75,12 @@ struct InsertOptions {
   float encode_scale = 1.0f;
   KeyPreprocess pre;
 };
+
+/// The most tokens one insert_keys / insert_keys_bf16 / quantize_queries call takes (either
+/// backend): 2^32, a bound that keeps every byte count of the call in range. Split larger batches.
+inline constexpr int64_t kMaxTokensPerCall = int64_t{1} << 32;
+/// Throws Error (kInvalidArgument) naming num_tokens unless 0 <= num_tokens <= kMaxTokensPerCall.
+void check_num_tokens(int64_t num_tokens);
 
 /// Quantizes and writes `num_tokens` keys into `cache` (spec/indexer.md section 6).
 ///

@@ -26,6 +26,11 @@ struct ModelDesc {
   /// for unknown keys, wrong types, values out of range (layers 1..4096, 0 <= sparse <= layers,
   /// heads >= 1, head_dim 16..1024 multiple of 16, index_dim must be 128).
   static ModelDesc from_json(const std::string& text);
+  /// Throws Error (kInvalidArgument) naming the field unless the description obeys the rules of
+  /// from_json (which calls it; plan_capacity calls it too, for a description built in code):
+  /// layers 1..4096, 0 <= sparse_layers <= layers, heads 1..1000000, head_dim 16..1024 a
+  /// multiple of 16, index_dim 128.
+  void validate() const;
   std::string to_json() const;
 };
 

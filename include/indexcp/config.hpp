@@ -63,6 +63,12 @@ struct ResolvedConfig {
 /// supported. Reads the environment variable INDEXCP_P256_STOCK_DECODE ("0" or "1").
 ResolvedConfig resolve_config(const AttentionConfig& config, const EngineParams& engine);
 
+/// Throws Error (kInvalidArgument) naming the field unless `c` is what resolve_config gives for
+/// c.requested and c.engine (every field but notes; p256_stock_decode, which the environment
+/// sets, may only be true at sharding, P256, TP2). The TP indexers check the config they are given
+/// with it, so a hand-edited ResolvedConfig cannot describe caches that do not exist.
+void check_resolved_config(const ResolvedConfig& c);
+
 /// Index bytes per token per sparse layer per rank (config.md section 3): NVFP4 72/W_shard,
 /// FP8 128/W_shard, BF16 256.
 int64_t index_bytes_per_token(KvDtype dtype, int32_t shards);

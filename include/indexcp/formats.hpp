@@ -43,6 +43,11 @@ enum class KRounding : int {
 std::string to_string(KvDtype d);
 /// "e4m3" | "exact".
 std::string to_string(KRounding r);
+/// Throws Error (kInvalidArgument) naming `what` unless `d` is one of the enumerators (a value
+/// cast from an integer may be none of them).
+void check_kv_dtype(KvDtype d, const std::string& what);
+/// The same for KRounding.
+void check_k_rounding(KRounding r, const std::string& what);
 /// Parses "bf16" | "fp8" | "nvfp4"; throws Error naming `what` otherwise.
 KvDtype parse_kv_dtype(const std::string& s, const std::string& what = "indexer_kv_dtype");
 /// Parses "e4m3" | "exact"; throws Error naming `what` otherwise.

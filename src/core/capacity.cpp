@@ -48,17 +48,22 @@ ModelDesc ModelDesc::from_json(const std::string& text) {
       throw Error(ErrorCode::kInvalidArgument, "model description: " + k + " = " + detail::short_dump(v) + " must be a non-negative integer");
     *dst = static_cast<int32_t>(v.get<int64_t>());
   }
+  m.validate();
+  return m;
+}
+
+void ModelDesc::validate() const {
   const auto bad = [](const std::string& k, int64_t v, const std::string& why) {
     throw Error(ErrorCode::kInvalidArgument, "model description: " + k + " = " + std::to_string(v) + " " + why);
   };
-  if (m.layers < 1 || m.layers > 4096) bad("layers", m.layers, "must be in 1..4096");
-  if (m.sparse_layers > m.layers) bad("sparse_layers", m.sparse_layers, "must be <= layers");
-  if (m.q_heads < 1) bad("q_heads", m.q_heads, "must be >= 1");
-  if (m.kv_heads < 1) bad("kv_heads", m.kv_heads, "must be >= 1");
-  if (m.index_heads < 1) bad("index_heads", m.index_heads, "must be >= 1");
-  if (m.head_dim < 16 || m.head_dim > 1024 || m.head_dim % 16) bad("head_dim", m.head_dim, "must be a multiple of 16 in 16..1024");
-  if (m.index_dim != 128) bad("index_dim", m.index_dim, "must be 128 (fixed by the index-key formats)");
-  return m;
+  constexpr int32_t kMaxHeads = 1000000;
+  if (layers < 1 || layers > 4096) bad("layers", layers, "must be in 1..4096");
+  if (sparse_layers < 0 || sparse_layers > layers) bad("sparse_layers", sparse_layers, "must be in 0..layers");
+  if (q_heads < 1 || q_heads > kMaxHeads) bad("q_heads", q_heads, "must be in 1..1000000");
+  if (kv_heads < 1 || kv_heads > kMaxHeads) bad("kv_heads", kv_heads, "must be in 1..1000000");
+  if (index_heads < 1 || index_heads > kMaxHeads) bad("index_heads", index_heads, "must be in 1..1000000");
+  if (head_dim < 16 || head_dim > 1024 || head_dim % 16) bad("head_dim", head_dim, "must be a multiple of 16 in 16..1024");
+  if (index_dim != 128) bad("index_dim", index_dim, "must be 128 (fixed by the index-key formats)");
 }
 
 std::string ModelDesc::to_json() const {
@@ -79,6 +84,9 @@ int64_t kv_bytes_per_head_token(KvDtype dtype, int32_t d) {
 CapacityReport plan_capacity(const ModelDesc& m, int64_t budget, KvDtype kv_dtype, KvDtype index_dtype,
                              int32_t tp, int32_t page_size) {
   INDEXCP_REQUIRE(budget > 0, "budget = " + std::to_string(budget) + " bytes must be > 0");
+  m.validate();
+  check_kv_dtype(kv_dtype, "kv_dtype");
+  check_kv_dtype(index_dtype, "index_dtype");
   if (tp != 1 && tp != 2 && tp != 4 && tp != 8)
     throw Error(ErrorCode::kUnsupported, "tp = " + std::to_string(tp) + " is not supported; use 1, 2, 4 or 8");
   if (page_size != 128 && page_size != 256)

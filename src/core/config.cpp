@@ -105,6 +105,13 @@ ResolvedConfig resolve_config(const AttentionConfig& c, const EngineParams& e) {
                                              " is not supported; speculative decoding is "
                                              "accepted with query lengths 1..16");
   check_heads_tp(e.heads, e.tp);
+  // a hand-built AttentionConfig (from_json checks the same)
+  check_kv_dtype(c.kv_dtype, "indexer_kv_dtype");
+  check_k_rounding(c.k_rounding, "indexer_k_rounding");
+  INDEXCP_REQUIRE(c.prefill_cp == PrefillCp::kGather || c.prefill_cp == PrefillCp::kLocalScore,
+                  "indexer_prefill_cp = " + num(static_cast<int>(c.prefill_cp)) + " is not a PrefillCp (kGather or kLocalScore)");
+  INDEXCP_REQUIRE(c.prefill_gather_budget_mib >= 1 && c.prefill_gather_budget_mib <= 1048576,
+                  "indexer_prefill_gather_budget_mib = " + num(c.prefill_gather_budget_mib) + " must be in 1..1048576");
 
   ResolvedConfig r;
   r.requested = c;
@@ -166,6 +173,33 @@ ResolvedConfig resolve_config(const AttentionConfig& c, const EngineParams& e) {
   if (!(sharding && e.page_size == 256 && e.tp == 2)) r.p256_stock_decode = false;
   r.index_bytes_per_token_per_layer_per_rank = index_bytes_per_token(c.kv_dtype, r.shards);
   return r;
+}
+
+void check_resolved_config(const ResolvedConfig& c) {
+  const ResolvedConfig r = resolve_config(c.requested, c.engine);
+  const auto differs = [](const std::string& field, const std::string& have, const std::string& want) {
+    throw Error(ErrorCode::kInvalidArgument, "ResolvedConfig." + field + " = " + have + " differs from " + want +
+                                                 ", what resolve_config gives for its requested config and engine; "
+                                                 "build the config with resolve_config");
+  };
+  const auto b = [](bool v) { return std::string(v ? "true" : "false"); };
+  const auto i = [](int64_t v) { return std::to_string(v); };
+  if (static_cast<int>(c.kv_dtype) != static_cast<int>(r.kv_dtype))
+    differs("kv_dtype", i(static_cast<int>(c.kv_dtype)), to_string(r.kv_dtype));
+  if (c.sharding != r.sharding) differs("sharding", b(c.sharding), b(r.sharding));
+  if (c.shards != r.shards) differs("shards", i(c.shards), i(r.shards));
+  if (static_cast<int>(c.prefill_cp) != static_cast<int>(r.prefill_cp))
+    differs("prefill_cp", i(static_cast<int>(c.prefill_cp)), to_string(r.prefill_cp));
+  if (c.decode_cp != r.decode_cp) differs("decode_cp", b(c.decode_cp), b(r.decode_cp));
+  if (static_cast<int>(c.k_rounding) != static_cast<int>(r.k_rounding))
+    differs("k_rounding", i(static_cast<int>(c.k_rounding)), to_string(r.k_rounding));
+  if (c.prefill_gather_budget_bytes != r.prefill_gather_budget_bytes)
+    differs("prefill_gather_budget_bytes", i(c.prefill_gather_budget_bytes), i(r.prefill_gather_budget_bytes));
+  if (c.index_bytes_per_token_per_layer_per_rank != r.index_bytes_per_token_per_layer_per_rank)
+    differs("index_bytes_per_token_per_layer_per_rank", i(c.index_bytes_per_token_per_layer_per_rank),
+            i(r.index_bytes_per_token_per_layer_per_rank));
+  if (c.p256_stock_decode && !(c.sharding && c.engine.page_size == 256 && c.engine.tp == 2))
+    differs("p256_stock_decode", "true", "false (it applies at sharding, P256, TP2 only)");
 }
 
 std::string ResolvedConfig::to_json() const {

@@ -16,6 +16,16 @@ std::string to_string(KvDtype d) {
 
 std::string to_string(KRounding r) { return r == KRounding::kE4m3 ? "e4m3" : "exact"; }
 
+void check_kv_dtype(KvDtype d, const std::string& what) {
+  const int v = static_cast<int>(d);
+  INDEXCP_REQUIRE(v >= 0 && v <= 2, what + " = " + std::to_string(v) + " is not a KvDtype (kBf16, kFp8 or kNvfp4)");
+}
+
+void check_k_rounding(KRounding r, const std::string& what) {
+  const int v = static_cast<int>(r);
+  INDEXCP_REQUIRE(v == 0 || v == 1, what + " = " + std::to_string(v) + " is not a KRounding (kE4m3 or kExact)");
+}
+
 KvDtype parse_kv_dtype(const std::string& s, const std::string& what) {
   if (s == "bf16") return KvDtype::kBf16;
   if (s == "fp8") return KvDtype::kFp8;

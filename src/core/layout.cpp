@@ -6,6 +6,7 @@
 namespace indexcp {
 
 PageLayout make_page_layout(KvDtype dtype, int page_size, int shards, int64_t page_stride) {
+  check_kv_dtype(dtype, "dtype");
   if (page_size != 128 && page_size != 256)
     throw Error(ErrorCode::kUnsupported, "page_size = " + std::to_string(page_size) +
                                              " is not supported; use 128 or 256");

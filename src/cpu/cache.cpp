@@ -96,12 +96,25 @@ static void write_row(IndexCache& c, int32_t layer, int64_t page, int32_t row, c
   }
 }
 
+void check_preprocess(const KeyPreprocess& pre) {
+  INDEXCP_REQUIRE(!pre.norm_weight || (std::isfinite(pre.eps) && pre.eps >= 0.0f),
+                  "eps = " + std::to_string(pre.eps) + " must be finite and >= 0 (RMSNorm)");
+  INDEXCP_REQUIRE(!pre.rope || (std::isfinite(pre.rope_theta) && pre.rope_theta > 0.0),
+                  "rope_theta = " + std::to_string(pre.rope_theta) + " must be finite and > 0 (RoPE)");
+  INDEXCP_REQUIRE(!pre.rope || pre.positions != nullptr, "rope is on but positions is null");
+}
+
+void check_num_tokens(int64_t num_tokens) {
+  INDEXCP_REQUIRE(num_tokens >= 0 && num_tokens <= kMaxTokensPerCall,
+                  "num_tokens = " + std::to_string(num_tokens) + " must be in 0..2^32 (split larger batches)");
+}
+
 static void insert_impl(IndexCache& cache, int32_t layer, const float* keys,
                         const int64_t* slot_mapping, int64_t num_tokens, const InsertOptions& opts) {
   INDEXCP_REQUIRE(layer >= 0 && layer < cache.num_layers(),
           "layer = " + std::to_string(layer) + " is outside [0, " +
               std::to_string(cache.num_layers()) + ")");
-  INDEXCP_REQUIRE(num_tokens >= 0, "num_tokens = " + std::to_string(num_tokens) + " must be >= 0");
+  check_num_tokens(num_tokens);
   if (num_tokens == 0) return;
   INDEXCP_REQUIRE(keys != nullptr, "keys is null");
   INDEXCP_REQUIRE(slot_mapping != nullptr, "slot_mapping is null");
@@ -109,7 +122,7 @@ static void insert_impl(IndexCache& cache, int32_t layer, const float* keys,
   INDEXCP_REQUIRE(fmt::is_finite(opts.encode_scale) && opts.encode_scale > 0.0f,
             "encode_scale = " + std::to_string(opts.encode_scale) +
                 " is invalid: the NVFP4 encode scale S must be finite and > 0");
-  INDEXCP_REQUIRE(!opts.pre.rope || opts.pre.positions != nullptr, "rope is on but positions is null");
+  check_preprocess(opts.pre);
   const PageLayout& l = cache.layout();
   const int64_t num_slots = cache.num_pages() * l.page_size;
   // phase 1: validate everything and quantize into a staging buffer
@@ -161,7 +174,7 @@ void insert_keys(IndexCache& cache, int32_t layer, const float* keys, const int6
 
 void insert_keys_bf16(IndexCache& cache, int32_t layer, const uint16_t* keys,
                       const int64_t* slot_mapping, int64_t num_tokens, const InsertOptions& opts) {
-  INDEXCP_REQUIRE(num_tokens >= 0, "num_tokens = " + std::to_string(num_tokens) + " must be >= 0");
+  check_num_tokens(num_tokens);
   INDEXCP_REQUIRE(num_tokens == 0 || keys != nullptr, "keys is null");
   std::vector<float> f(static_cast<size_t>(num_tokens) * kHeadDim);
   for (size_t i = 0; i < f.size(); ++i) f[i] = bf16_decode(keys[i]);
@@ -191,6 +204,8 @@ std::vector<uint8_t> read_row_bytes(const IndexCache& c, int32_t layer, int64_t 
 void read_row_khat(const IndexCache& c, int32_t layer, int64_t page, int32_t row, KRounding mode,
                    float* out) {
   check_row(c, layer, page, row);
+  check_k_rounding(mode, "mode");
+  INDEXCP_REQUIRE(out != nullptr, "out is null");
   const PageLayout& l = c.layout();
   const uint8_t* p = c.page_ptr(layer, page);
   switch (l.dtype) {
@@ -212,9 +227,9 @@ void read_row_khat(const IndexCache& c, int32_t layer, int64_t page, int32_t row
 void quantize_queries(const float* q, int64_t num_tokens, int32_t heads, const KeyPreprocess& pre,
                       uint8_t* out) {
   INDEXCP_REQUIRE(heads >= 1 && heads <= 64, "heads = " + std::to_string(heads) + " is out of range 1..64");
-  INDEXCP_REQUIRE(num_tokens >= 0, "num_tokens must be >= 0");
+  check_num_tokens(num_tokens);
   INDEXCP_REQUIRE(num_tokens == 0 || (q != nullptr && out != nullptr), "q or out is null");
-  INDEXCP_REQUIRE(!pre.rope || pre.positions != nullptr, "rope is on but positions is null");
+  check_preprocess(pre);
   const int64_t n = num_tokens * heads;
   for (int64_t i = 0; i < n; ++i)
     for (int d = 0; d < kHeadDim; ++d)

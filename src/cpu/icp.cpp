@@ -22,10 +22,7 @@ void merge_candidates(const Candidate* cands, int32_t world, const std::vector<Q
                       int32_t* out) {
   sel.validate();
   INDEXCP_REQUIRE(world >= 1, "world = " + std::to_string(world) + " must be >= 1");
-  INDEXCP_REQUIRE(h0 >= 0 && nh >= 1 && h0 + nh <= heads, "head range [" + std::to_string(h0) + ", " +
-                                                       std::to_string(h0 + nh) +
-                                                       ") is outside the " +
-                                                       std::to_string(heads) + " heads");
+  cpu::check_head_range(heads, h0, nh);
   INDEXCP_REQUIRE(rows.empty() || (cands != nullptr && out != nullptr), "cands or out is null");
   cpu::merge(cands, world, rows, heads, h0, nh, sel, out);
 }

@@ -73,7 +73,8 @@ std::vector<QueryRow> decode_rows(const DecodeBatch& b, int64_t num_pages, int32
   INDEXCP_REQUIRE(b.query_len >= 1 && b.query_len <= 16,
           "query_len = " + std::to_string(b.query_len) + " is out of range 1..16");
   std::vector<QueryRow> rows;
-  rows.reserve(static_cast<size_t>(b.rows()));
+  // (capped: a huge num_requests must reach the check of its seq_lens, not fail to allocate)
+  rows.reserve(static_cast<size_t>(std::min<int64_t>(b.rows(), int64_t{1} << 20)));
   for (int32_t r = 0; r < b.num_requests; ++r) {
     const int32_t s = b.seq_lens[r];
     INDEXCP_REQUIRE(s >= 0, "seq_lens[" + std::to_string(r) + "] = " + std::to_string(s) + " is negative");
@@ -135,6 +136,12 @@ void throw_q_nan(int64_t index, int32_t heads) {
 std::vector<QueryRow> prefill_rows_metadata(const PrefillBatch& b, int64_t num_pages, int32_t page_size) {
   return prefill_rows_impl(b, num_pages, page_size, false);
 }
+
+void check_head_range(int32_t heads, int32_t h0, int32_t nh) {
+  const int64_t end = int64_t{h0} + nh;
+  INDEXCP_REQUIRE(h0 >= 0 && nh >= 1 && end <= heads, "head range [" + std::to_string(h0) + ", " + std::to_string(end) +
+                                                          ") is outside the " + std::to_string(heads) + " heads");
+}
 }  // namespace cpu
 
 BlockScores score_blocks(const IndexCache& cache, int32_t layer, const std::vector<QueryRow>& rows,
@@ -143,9 +150,8 @@ BlockScores score_blocks(const IndexCache& cache, int32_t layer, const std::vect
   INDEXCP_REQUIRE(layer >= 0 && layer < cache.num_layers(),
           "layer = " + std::to_string(layer) + " is outside [0, " +
               std::to_string(cache.num_layers()) + ")");
-  INDEXCP_REQUIRE(h0 >= 0 && nh >= 1 && h0 + nh <= heads,
-          "head range [" + std::to_string(h0) + ", " + std::to_string(h0 + nh) +
-              ") is outside the batch's " + std::to_string(heads) + " heads");
+  cpu::check_head_range(heads, h0, nh);
+  check_k_rounding(mode, "mode");
   INDEXCP_REQUIRE(filter.modulus >= 1 && filter.residue >= 0 && filter.residue < filter.modulus,
           "block filter " + std::to_string(filter.residue) + " mod " +
               std::to_string(filter.modulus) + " is invalid");

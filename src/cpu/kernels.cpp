@@ -55,12 +55,15 @@ std::vector<std::pair<int64_t, int64_t>> request_runs(const std::vector<QueryRow
 }
 
 void check_scores(const BlockScores& s, const std::vector<QueryRow>& rows) {
-  INDEXCP_REQUIRE(static_cast<int64_t>(rows.size()) == s.rows && s.heads >= 1 && s.max_blocks >= 0,
-                  "scores (rows " + std::to_string(s.rows) + ", heads " + std::to_string(s.heads) +
-                      ") do not match rows (" + std::to_string(rows.size()) + ")");
-  const size_t n = static_cast<size_t>(s.rows) * s.heads * s.max_blocks;
-  INDEXCP_REQUIRE(s.score.size() == n && s.valid.size() == n,
-                  "scores.score / scores.valid must hold rows x heads x max_blocks = " + std::to_string(n) + " entries");
+  INDEXCP_REQUIRE(static_cast<int64_t>(rows.size()) == s.rows,
+                  "scores.rows = " + std::to_string(s.rows) + " does not match rows (" + std::to_string(rows.size()) + ")");
+  INDEXCP_REQUIRE(s.heads >= 1 && s.heads <= 64, "scores.heads = " + std::to_string(s.heads) + " is out of range 1..64");
+  INDEXCP_REQUIRE(s.max_blocks >= 0, "scores.max_blocks = " + std::to_string(s.max_blocks) + " must be >= 0");
+  // the product in long double: rows x heads x max_blocks can wrap in 64 bits and match empty vectors
+  const long double n = static_cast<long double>(s.rows) * s.heads * s.max_blocks;
+  INDEXCP_REQUIRE(n == static_cast<long double>(s.score.size()) && n == static_cast<long double>(s.valid.size()),
+                  "scores.score / scores.valid must hold rows x heads x max_blocks = " + std::to_string(s.rows) + " x " +
+                      std::to_string(s.heads) + " x " + std::to_string(s.max_blocks) + " entries");
   for (size_t i = 0; i < rows.size(); ++i)
     INDEXCP_REQUIRE(rows[i].pos < 0 || rows[i].pos / kBlockTokens < s.max_blocks,
                     "rows[" + std::to_string(i) + "] at position " + std::to_string(rows[i].pos) +

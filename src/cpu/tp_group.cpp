@@ -17,6 +17,7 @@ double now_us() {
 class CpuTpIndexer final : public TpIndexer {
  public:
   CpuTpIndexer(const ResolvedConfig& c, int64_t num_pages) : cfg_(c) {
+    check_resolved_config(c);
     const PageLayout l = make_page_layout(c.kv_dtype, c.engine.page_size, c.shards);
     for (int32_t r = 0; r < c.shards; ++r) caches_.emplace_back(l, num_pages, 1, r);
   }

@@ -66,9 +66,7 @@ void check_not_bf16(const DeviceCache& c) {
 
 void check_head_range(int32_t heads, int32_t h0, int32_t nh) {
   INDEXCP_REQUIRE(heads >= 1 && heads <= 64, "heads = " + std::to_string(heads) + " is out of range 1..64");
-  INDEXCP_REQUIRE(h0 >= 0 && nh >= 1 && h0 + nh <= heads, "head range [" + std::to_string(h0) + ", " +
-                                                      std::to_string(h0 + nh) + ") is outside the batch's " +
-                                                      std::to_string(heads) + " heads");
+  cpu::check_head_range(heads, h0, nh);
 }
 
 void check_decode_shape(const DecodeBatch& b) {
@@ -107,6 +105,7 @@ int64_t max_blocks_of(int32_t max_pages, const PageLayout& l) {
 
 ScoreLaunch decode_score_launch(const DeviceCache& c, int32_t layer, const DecodeBatch& b, int32_t h0,
                                 int32_t nh, KRounding mode, float* scores, BlockFilter filter, bool stock) {
+  check_k_rounding(mode, "mode");
   ScoreLaunch s;
   s.keys = key_source(c, layer);
   s.mode = mode;
@@ -355,7 +354,7 @@ std::vector<float> rope_table(const std::vector<int64_t>& positions, double thet
 void insert_impl(DeviceCache& cache, int32_t layer, const float* keys, const uint16_t* keys_bf16,
                  const int64_t* slot_mapping, int64_t n, const InsertOptions& opts, cudaStream_t st) {
   check_layer(cache, layer);
-  INDEXCP_REQUIRE(n >= 0, "num_tokens = " + std::to_string(n) + " must be >= 0");
+  check_num_tokens(n);
   if (n == 0) return;
   INDEXCP_REQUIRE(keys != nullptr || keys_bf16 != nullptr, "keys is null");
   INDEXCP_REQUIRE(slot_mapping != nullptr, "slot_mapping is null");
@@ -364,7 +363,7 @@ void insert_impl(DeviceCache& cache, int32_t layer, const float* keys, const uin
   INDEXCP_REQUIRE(fmt::is_finite(opts.encode_scale) && opts.encode_scale > 0.0f,
           "encode_scale = " + std::to_string(opts.encode_scale) +
               " is invalid: the NVFP4 encode scale S must be finite and > 0");
-  INDEXCP_REQUIRE(!opts.pre.rope || opts.pre.positions != nullptr, "rope is on but positions is null");
+  check_preprocess(opts.pre);
   const int kb = key_bytes(l.dtype);
   Tmp<uint8_t> staged(static_cast<size_t>(n) * kb, st);
   Tmp<unsigned long long> err(1, st);
@@ -463,9 +462,9 @@ void insert_keys_bf16(DeviceCache& cache, int32_t layer, const uint16_t* keys, c
 void quantize_queries(const float* q, int64_t num_tokens, int32_t heads, const KeyPreprocess& pre, uint8_t* out,
                       Stream stream) {
   INDEXCP_REQUIRE(heads >= 1 && heads <= 64, "heads = " + std::to_string(heads) + " is out of range 1..64");
-  INDEXCP_REQUIRE(num_tokens >= 0, "num_tokens must be >= 0");
+  check_num_tokens(num_tokens);
   INDEXCP_REQUIRE(num_tokens == 0 || (q != nullptr && out != nullptr), "q or out is null");
-  INDEXCP_REQUIRE(!pre.rope || pre.positions != nullptr, "rope is on but positions is null");
+  check_preprocess(pre);
   if (num_tokens == 0) return;
   const cudaStream_t st = cs(stream);
   Tmp<unsigned long long> err(1, st);

@@ -50,6 +50,7 @@ class CudaTpIndexer final : public TpIndexer {
  public:
   // group == nullptr: every rank simulated here; else this process is rank group->rank().
   CudaTpIndexer(const ResolvedConfig& c, int64_t num_pages, Communicator* group) : cfg_(c), group_(group) {
+    check_resolved_config(c);
     if (c.kv_dtype == KvDtype::kBf16)
       throw Error(ErrorCode::kUnsupported,
                   "indexer_kv_dtype = bf16 is not supported by --backend cuda (use fp8 or nvfp4, or --backend cpu)");

@@ -109,7 +109,9 @@ class HeaderParser {
     }
     return out;
   }
-  Value parse_value() {
+  // depth: 0 for a value of the dictionary, 1 inside a tuple (a simple header's only tuple, the
+  // shape, holds integers: a nested tuple is refused, before any recursion can exhaust the stack)
+  Value parse_value(int depth = 0) {
     Value v;
     const char c = peek();
     if (c == '\'' || c == '"') {
@@ -124,11 +126,12 @@ class HeaderParser {
       v.b = false;
       i_ += 5;
     } else if (c == '(') {
+      if (depth > 0) bad("a tuple inside a tuple at " + excerpt(s_, i_) + " (shape must be a tuple of integers)");
       v.kind = Value::kTuple;
       ++i_;
       skip_ws();
       while (peek() != ')') {
-        Value item = parse_value();
+        Value item = parse_value(depth + 1);
         v.items.push_back(std::move(item));
         if (v.items.size() > static_cast<std::size_t>(kMaxDims)) bad("tuple has more than 32 entries");
         skip_ws();
@@ -339,12 +342,21 @@ Array load_checked(const std::string& path, Dtype dtype, int ndim) {
 
 std::vector<uint8_t> serialize(Dtype dtype, const std::vector<int64_t>& shape, const void* data) {
   std::string dict = "{'descr': '" + descr_of(dtype) + "', 'fortran_order': False, 'shape': (";
-  int64_t n = 1;
+  if (shape.size() > static_cast<std::size_t>(kMaxDims))
+    throw Error(ErrorCode::kInvalidArgument, "npy::save: shape has " + std::to_string(shape.size()) +
+                                                 " dimensions; at most 32 (what parse reads back)");
+  // the byte count without overflow (the reader's rule): a shape whose bytes exceed int64 is refused
+  unsigned __int128 bytes = itemsize(dtype);
+  bool zero = false;
   for (std::size_t i = 0; i < shape.size(); ++i) {
     if (shape[i] < 0) throw Error(ErrorCode::kInvalidArgument, "npy::save: negative shape entry");
     dict += (i ? ", " : "") + std::to_string(shape[i]);
-    n *= shape[i];
+    if (shape[i] == 0) zero = true;
+    bytes *= static_cast<unsigned __int128>(shape[i]);
+    if (!zero && bytes > static_cast<unsigned __int128>(std::numeric_limits<int64_t>::max()))
+      throw Error(ErrorCode::kInvalidArgument, "npy::save: shape " + shape_string(shape) + " is too large");
   }
+  const int64_t n = zero ? 0 : static_cast<int64_t>(bytes / itemsize(dtype));
   if (shape.size() == 1) dict += ",";
   dict += "), }";
   // pad with spaces so that preamble + header is a multiple of 64, ending in '\n'
