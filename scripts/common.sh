@@ -1,6 +1,7 @@
 # Shared by scripts/run.sh and scripts/test.sh: install what is missing, configure and build.
 # Environment: BUILD_DIR (default build), BUILD_TYPE (default Release), INDEXCP_CUDA (AUTO, ON, OFF),
-# JOBS (parallel build jobs, default: all cores).
+# JOBS (parallel build jobs, default: all cores), INDEXCP_SHARED_DIR (the shared/ folder the tests
+# read, default ../shared beside the checkout).
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BUILD_DIR="${BUILD_DIR:-$REPO_ROOT/build}"
@@ -52,7 +53,11 @@ build() {
   fi
   local jobs="${JOBS:-$(nproc 2>/dev/null || echo 2)}"
   log "configuring $BUILD_DIR ($BUILD_TYPE, INDEXCP_CUDA=$INDEXCP_CUDA)"
-  cmake -S "$REPO_ROOT" -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE="$BUILD_TYPE" -DINDEXCP_CUDA="$INDEXCP_CUDA" >&2
+  local extra=()
+  # the shared/ folder of the acceptance vectors, when it is not ../shared (the tests read it)
+  [ -n "${INDEXCP_SHARED_DIR:-}" ] && extra+=(-DINDEXCP_SHARED_DIR="$INDEXCP_SHARED_DIR")
+  cmake -S "$REPO_ROOT" -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE="$BUILD_TYPE" -DINDEXCP_CUDA="$INDEXCP_CUDA" \
+    "${extra[@]}" >&2
   log "building"
   cmake --build "$BUILD_DIR" -j "$jobs" >&2
 }

@@ -486,6 +486,9 @@ TEST(Cli, CapacityNotesAreTrue) {
     ASSERT_EQ(r.status, 0) << r.err;
     EXPECT_NE(r.out.find(na), std::string::npos) << a << ": " << r.out;
     EXPECT_EQ(r.out.find("upstream reference"), std::string::npos) << a << ": " << r.out;
+    // the row that asks for sharding says it does not apply, instead of a second "sharding off"
+    EXPECT_NE(r.out.find("\nsharding n/a "), std::string::npos) << a << ": " << r.out;
+    EXPECT_EQ(r.out.find("\nsharding on "), std::string::npos) << a << ": " << r.out;
   }
   for (const std::string a : {"--tp 4", "--page-size 256", "--kv-dtype fp8", "--index-dtype fp8"}) {
     r = run("capacity " + a, d);

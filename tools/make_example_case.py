@@ -12,7 +12,7 @@ distribution. Replay it with
 CASE_DIR must be new or empty; case files of an earlier run there (case.json, *.npy of the case
 format) are replaced, and a directory holding anything else is refused.
 
-Usage: python3 tools/make_example_case.py CASE_DIR [--phase decode|prefill] [--kv-dtype nvfp4|fp8]
+Usage: python3 tools/make_example_case.py CASE_DIR [--phase decode|prefill] [--kv-dtype nvfp4|fp8|bf16]
            [--sharding on|off] [--tp W] [--page-size P] [--requests B] [--tokens L] [--query-len Q]
            [--prefill-tokens T] [--synthetic] [--seed N]
 """
@@ -24,7 +24,11 @@ import json
 import os
 import sys
 
-import numpy as np
+try:
+    import numpy as np
+except ImportError:
+    sys.exit("make_example_case.py needs NumPy: apt-get install python3-numpy (Debian), "
+             "or pip install numpy in a virtual environment")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DATA = os.path.join(HERE, "..", "data", "minilm_stdlib")
@@ -73,6 +77,8 @@ def main() -> int:
     ap.add_argument("--synthetic", action="store_true", help="random keys/queries even if the real data exists")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
+    if a.kv_dtype == "bf16" and a.sharding == "on" and a.tp > 1:
+        ap.error("--kv-dtype bf16 is never sharded (indexcp replay refuses such a case); add --sharding off")
 
     B, L, P, H = a.requests, a.tokens, a.page_size, 4
     T = a.query_len if a.phase == "decode" else a.prefill_tokens

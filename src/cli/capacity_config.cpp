@@ -165,7 +165,9 @@ int capacity_command(const CapacityOptions& o) {
                 "tokens");
   os << line;
   for (const CapacityResult* c : {&r.off, &r.on}) {
-    std::snprintf(line, sizeof line, "%-13s %14s %16s %16s %14s\n", c->sharding ? "sharding on" : "sharding off",
+    // the second row asks for sharding; "n/a" where it cannot apply (the note below says why)
+    const char* label = c == &r.off ? "sharding off" : c->sharding ? "sharding on" : "sharding n/a";
+    std::snprintf(line, sizeof line, "%-13s %14s %16s %16s %14s\n", label,
                   fmt_int(c->kv_bytes_per_token).c_str(), fmt_int(c->index_bytes_per_token).c_str(),
                   fmt_int(c->kv_bytes_per_token + c->index_bytes_per_token).c_str(), fmt_int(c->tokens).c_str());
     os << line;
