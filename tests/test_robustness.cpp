@@ -331,23 +331,3 @@ TEST(Robustness, PreprocessParametersAreNamed) {
   }
   EXPECT_EQ(std::vector<uint8_t>(caches[0].data(), caches[0].data() + caches[0].size_bytes()), before);
 }
-
-TEST(Robustness, BatchHeadsMustMatchTheConfig) {
-  // a batch of 8 heads against a config of 4 was scored with the heads split resolved for 4
-  for (bool sharding : {false, true}) {
-    auto tp = make_tp_indexer("cpu", tp2(sharding), 4);
-    const auto q = make_q(8, 8, 3);
-    std::vector<int32_t> bt = {0, 1}, lens = {200}, qs = {0, 8};
-    DecodeBatch d{q.data(), 8, bt.data(), 1, 2, lens.data(), 8};
-    expect_error([&] { tp->decode(d, {}); }, "batch heads = 8 differs from the config's heads = 4");
-    PrefillBatch p;
-    p.q = q.data();
-    p.heads = 8;
-    p.block_table = bt.data();
-    p.num_requests = 1;
-    p.max_pages = 2;
-    p.seq_lens = lens.data();
-    p.query_start = qs.data();
-    expect_error([&] { tp->prefill(p, {}); }, "batch heads = 8");
-  }
-}

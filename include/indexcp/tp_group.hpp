@@ -41,12 +41,10 @@ class TpIndexer {
   virtual void insert(const float* keys, const int64_t* slot_mapping, int64_t n,
                       float encode_scale = 1.0f) = 0;
   /// One decode step through the configured path (replicated, ICP over shards, or decode CP).
-  /// Returns int32 [rows, H, K], each head from its owner rank. Errors as decode_rows, and
-  /// batch.heads other than config().engine.heads (check_batch_heads).
+  /// Returns int32 [rows, H, K], each head from its owner rank.
   virtual std::vector<int32_t> decode(const DecodeBatch& batch, const SelectionParams& sel,
                                       StepStats* stats = nullptr) = 0;
-  /// One prefill batch through the configured path (replicated, gather or local_score). Errors as
-  /// prefill_rows, and batch.heads other than config().engine.heads.
+  /// One prefill batch through the configured path (replicated, gather or local_score).
   virtual std::vector<int32_t> prefill(const PrefillBatch& batch, const SelectionParams& sel,
                                        StepStats* stats = nullptr) = 0;
   /// Replicated block scores of heads [0, H) for decode rows (for reports; fp32
@@ -55,10 +53,6 @@ class TpIndexer {
   /// Bytes of index cache per rank.
   virtual int64_t cache_bytes_per_rank() const = 0;
 };
-
-/// Throws Error (kInvalidArgument) unless `heads` (a batch's) equals config.engine.heads: the
-/// heads each rank owns were resolved for those.
-void check_batch_heads(const ResolvedConfig& config, int32_t heads);
 
 /// The CPU backend: W caches of num_pages pages (one layer). Errors as resolve_config and
 /// IndexCache.

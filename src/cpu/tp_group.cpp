@@ -35,7 +35,6 @@ class CpuTpIndexer final : public TpIndexer {
 
   std::vector<int32_t> decode(const DecodeBatch& b, const SelectionParams& sel, StepStats* st) override {
     sel.validate();
-    check_batch_heads(cfg_, b.heads);
     decode_rows(b, caches_[0].num_pages(), cfg_.engine.page_size);  // validate before sizing outputs
     return run(b.rows(), b.heads, sel, st, [&](int rank, Communicator& comm, int32_t* out, StepStats& s) {
       const int W = comm.world();
@@ -54,7 +53,6 @@ class CpuTpIndexer final : public TpIndexer {
 
   std::vector<int32_t> prefill(const PrefillBatch& b, const SelectionParams& sel, StepStats* st) override {
     sel.validate();
-    check_batch_heads(cfg_, b.heads);
     prefill_rows(b, caches_[0].num_pages(), cfg_.engine.page_size);  // validate before sizing outputs
     return run(b.rows(), b.heads, sel, st, [&](int rank, Communicator& comm, int32_t* out, StepStats& s) {
       if (cfg_.sharding && cfg_.prefill_cp == PrefillCp::kGather) {
@@ -122,11 +120,6 @@ class CpuTpIndexer final : public TpIndexer {
 };
 
 }  // namespace
-
-void check_batch_heads(const ResolvedConfig& config, int32_t heads) {
-  INDEXCP_REQUIRE(heads == config.engine.heads, "batch heads = " + std::to_string(heads) + " differs from the config's heads = " +
-                                                    std::to_string(config.engine.heads));
-}
 
 std::unique_ptr<TpIndexer> make_cpu_tp_indexer(const ResolvedConfig& c, int64_t num_pages) {
   return std::make_unique<CpuTpIndexer>(c, num_pages);

@@ -115,7 +115,6 @@ class CudaTpIndexer final : public TpIndexer {
 
   std::vector<int32_t> decode(const DecodeBatch& b, const SelectionParams& sel, StepStats* st) override {
     sel.validate();
-    check_batch_heads(cfg_, b.heads);
     (void)decode_rows(b, caches_[0].num_pages(), cfg_.engine.page_size);  // the CPU's checks and messages
     const int64_t rows = b.rows();
     Dev<uint8_t> q(b.q, static_cast<size_t>(rows) * b.heads * kHeadDim);
@@ -140,7 +139,6 @@ class CudaTpIndexer final : public TpIndexer {
 
   std::vector<int32_t> prefill(const PrefillBatch& b, const SelectionParams& sel, StepStats* st) override {
     sel.validate();
-    check_batch_heads(cfg_, b.heads);
     (void)prefill_rows(b, caches_[0].num_pages(), cfg_.engine.page_size);
     const int64_t rows = b.rows();
     Dev<uint8_t> q(b.q, static_cast<size_t>(rows) * b.heads * kHeadDim);
