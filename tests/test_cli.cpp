@@ -456,6 +456,8 @@ TEST(Cli, BudgetLimitsAreReadable) {
                {"--budget-bytes = 99999999999999999999 must be > 0"});
   expect_error(run("capacity --budget-bytes -99999999999999999999", d), 2,
                {"--budget-bytes = -99999999999999999999 must be > 0"});
+  for (const std::string v : {"1e3", "0x10", "12abc", "1.5", "1-2"})
+    expect_error(run("capacity --budget-bytes " + v, d), 2, {"--budget-bytes = " + v + " is not a whole number of bytes"});
   EXPECT_EQ(run("capacity --budget-gib 1048576", d).status, 0);
   EXPECT_EQ(run("capacity --budget-bytes 1125899906842624", d).status, 0);
   for (const std::string v : {"0", "-1", "inf", "2e6"})

@@ -1,6 +1,7 @@
 // `indexcp capacity`, `indexcp config`, and the small file helpers of the command.
 #include <unistd.h>
 
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -103,10 +104,15 @@ int64_t budget_bytes_from_gib(double gib, const std::string& flag) {
   return bytes;
 }
 
-int64_t checked_budget_bytes(int64_t bytes, const std::string& flag, const std::string& text) {
-  if (bytes < 1 || bytes > kMaxBudgetBytes)
-    throw Error(ErrorCode::kInvalidArgument, flag + " = " + (text.empty() ? std::to_string(bytes) : text) +
-                                                 " must be > 0 and at most " +
+int64_t parse_budget_bytes(const std::string& text, const std::string& flag) {
+  int64_t bytes = 0;
+  const char* end = text.data() + text.size();
+  const auto [ptr, ec] = std::from_chars(text.data(), end, bytes);
+  const bool digits = !text.empty() && text.find_first_not_of("-0123456789") == std::string::npos;
+  if (!digits || (ec != std::errc() && ec != std::errc::result_out_of_range) || (ec == std::errc() && ptr != end))
+    throw Error(ErrorCode::kInvalidArgument, flag + " = " + text + " is not a whole number of bytes");
+  if (ec == std::errc::result_out_of_range || bytes < 1 || bytes > kMaxBudgetBytes)
+    throw Error(ErrorCode::kInvalidArgument, flag + " = " + text + " must be > 0 and at most " +
                                                  std::to_string(kMaxBudgetBytes) + " (1 PiB per rank)");
   return bytes;
 }
@@ -136,7 +142,7 @@ std::string upstream_reference_note(const std::string& model, int64_t budget_byt
 }
 
 int capacity_command(const CapacityOptions& o) {
-  const int64_t budget = o.budget_bytes_given ? checked_budget_bytes(o.budget_bytes, "--budget-bytes", o.budget_bytes_text)
+  const int64_t budget = o.budget_bytes_given ? parse_budget_bytes(o.budget_bytes, "--budget-bytes")
                                               : budget_bytes_from_gib(o.budget_gib, "--budget-gib");
   if (!o.json_path.empty()) check_output_path(o.json_path, "--json");
   const ModelDesc m = load_model(o.model);

@@ -49,8 +49,7 @@ int replay_command(const std::string& case_dir, const std::string& out_dir, cons
 struct CapacityOptions {
   std::string model = "minimax-m3";
   double budget_gib = 100.0;
-  int64_t budget_bytes = 0;  ///< used when budget_bytes_given (overrides budget_gib)
-  std::string budget_bytes_text;  ///< --budget-bytes as typed (CLI11 saturates beyond int64)
+  std::string budget_bytes;  ///< --budget-bytes as typed, parsed by the command (overrides budget_gib)
   bool budget_bytes_given = false;
   std::string kv_dtype = "nvfp4", index_dtype = "nvfp4";
   int32_t tp = 2, page_size = 128;
@@ -70,9 +69,10 @@ constexpr double kMaxBudgetGib = static_cast<double>(kMaxBudgetBytes >> 30);  //
 /// Bytes of a budget of `gib` GiB given by `flag`; Error (kInvalidArgument) naming the flag and the
 /// limits unless 0 < gib <= kMaxBudgetGib and the budget is at least one byte.
 int64_t budget_bytes_from_gib(double gib, const std::string& flag);
-/// Checks a budget in bytes given by `flag` (1 .. kMaxBudgetBytes); the error quotes `text`, the
-/// value as typed (when not empty), since an integer beyond int64 arrives saturated.
-int64_t checked_budget_bytes(int64_t bytes, const std::string& flag, const std::string& text = {});
+/// Parses a budget in bytes given by `flag` as typed: a decimal integer in 1 .. kMaxBudgetBytes;
+/// Error naming the flag and quoting `text` otherwise (parsed here, not by CLI11, whose versions
+/// differ beyond int64: one saturates, one refuses).
+int64_t parse_budget_bytes(const std::string& text, const std::string& flag);
 
 /// `indexcp config`.
 struct ConfigOptions {

@@ -184,7 +184,6 @@ static int real_main(int argc, char** argv) {
                   ->capture_default_str();
   auto* bytes = cap->add_option("--budget-bytes", co.budget_bytes,
                                 "KV-cache memory budget per rank in bytes (> 0, at most 2^50)");
-  bytes->each([&co](const std::string& s) { co.budget_bytes_text = s; });  // for the message
   gib->excludes(bytes);
   cap->add_option("--kv-dtype", co.kv_dtype, "KV cache dtype")
       ->check(CLI::IsMember({"bf16", "fp8", "nvfp4"}))
