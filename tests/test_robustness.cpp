@@ -278,6 +278,7 @@ TEST(Robustness, HandEditedResolvedConfigIsRefused) {
   expect_error([&] { make_cpu_tp_indexer(rc, 4); }, "ResolvedConfig.p256_stock_decode");
   EXPECT_NO_THROW(make_cpu_tp_indexer(tp2(true), 4));
   EXPECT_NO_THROW(check_resolved_config(tp2(false)));
+  EXPECT_NO_THROW(check_resolved_config(ResolvedConfig{}));  // the defaults are resolve_config's for the defaults
 }
 
 TEST(Robustness, HugeCountsAreRefusedByName) {

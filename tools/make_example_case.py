@@ -77,7 +77,7 @@ def main() -> int:
     ap.add_argument("--synthetic", action="store_true", help="random keys/queries even if the real data exists")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
-    if a.kv_dtype == "bf16" and a.sharding == "on" and a.tp > 1:
+    if a.kv_dtype == "bf16" and a.sharding == "on":
         ap.error("--kv-dtype bf16 is never sharded (indexcp replay refuses such a case); add --sharding off")
 
     B, L, P, H = a.requests, a.tokens, a.page_size, 4

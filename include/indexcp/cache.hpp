@@ -77,7 +77,8 @@ struct InsertOptions {
 };
 
 /// The most tokens one insert_keys / insert_keys_bf16 / quantize_queries call takes (either
-/// backend): 2^32, a bound that keeps every byte count of the call in range. Split larger batches.
+/// backend): 2^32, so that the element and byte counts of a call (at most 2^32 x 64 heads x 128
+/// values) cannot wrap in 64 bits. Split larger batches.
 inline constexpr int64_t kMaxTokensPerCall = int64_t{1} << 32;
 /// Throws Error (kInvalidArgument) naming num_tokens unless 0 <= num_tokens <= kMaxTokensPerCall.
 void check_num_tokens(int64_t num_tokens);

@@ -10,6 +10,9 @@ namespace indexcp {
 
 /// A model description. Built in: "minimax-m3" (60 layers, 57 sparse, 64 query heads, 4 KV
 /// heads, head dim 128, 4 index heads, index dim 128).
+/// The largest value of any integer field of a model description (the heads' upper limit).
+inline constexpr int32_t kMaxModelField = 1000000;
+
 struct ModelDesc {
   std::string name = "minimax-m3";
   int32_t layers = 60;
@@ -23,8 +26,7 @@ struct ModelDesc {
   /// The built-in description `name`; Error naming --model otherwise (lists the built-ins).
   static ModelDesc builtin(const std::string& name);
   /// Parses a JSON object with exactly the keys above ("name" optional); Error naming the key
-  /// for unknown keys, wrong types, values out of range (layers 1..4096, 0 <= sparse <= layers,
-  /// heads >= 1, head_dim 16..1024 multiple of 16, index_dim must be 128).
+  /// for unknown keys, wrong types, integers outside 0..kMaxModelField, and the rules of validate().
   static ModelDesc from_json(const std::string& text);
   /// Throws Error (kInvalidArgument) naming the field unless the description obeys the rules of
   /// from_json (which calls it; plan_capacity calls it too, for a description built in code):

@@ -13,6 +13,9 @@ namespace indexcp {
 enum class PrefillCp : int { kGather = 0, kLocalScore = 1 };
 std::string to_string(PrefillCp p);
 
+/// The largest indexer_prefill_gather_budget_mib (1 TiB per rank); the smallest is 1.
+inline constexpr int64_t kMaxGatherBudgetMib = 1048576;
+
 /// The engine's attention config as given (spec/config.md section 1); defaults as the spec says.
 struct AttentionConfig {
   KvDtype kv_dtype = KvDtype::kFp8;            ///< indexer_kv_dtype
@@ -20,7 +23,7 @@ struct AttentionConfig {
   PrefillCp prefill_cp = PrefillCp::kGather;   ///< indexer_prefill_cp
   bool decode_cp = false;                      ///< indexer_decode_cp
   KRounding k_rounding = KRounding::kE4m3;     ///< indexer_k_rounding
-  int64_t prefill_gather_budget_mib = 256;     ///< indexer_prefill_gather_budget_mib, > 0
+  int64_t prefill_gather_budget_mib = 256;     ///< indexer_prefill_gather_budget_mib, 1..kMaxGatherBudgetMib
 
   /// Parses a JSON object. Errors (Error, kInvalidArgument) name the key and value: not an
   /// object, unknown key, wrong type, value not among those listed (the message lists them),
@@ -51,7 +54,7 @@ struct ResolvedConfig {
   bool decode_cp = false;          ///< effective decode CP over a replicated cache
   KRounding k_rounding = KRounding::kE4m3;
   int64_t prefill_gather_budget_bytes = 256ll << 20;
-  bool p256_stock_decode = true;   ///< INDEXCP_P256_STOCK_DECODE (effective at P256/W2 only)
+  bool p256_stock_decode = false;  ///< INDEXCP_P256_STOCK_DECODE, default 1 (effective at P256/W2 only)
   int64_t index_bytes_per_token_per_layer_per_rank = 128;  ///< config.md section 3
   std::vector<std::string> notes;  ///< no-ops and yields, in words
   /// Every key with its effective value, plus "notes" (pretty-printed JSON).

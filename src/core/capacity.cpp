@@ -44,7 +44,7 @@ ModelDesc ModelDesc::from_json(const std::string& text) {
     if (!dst)
       throw Error(ErrorCode::kInvalidArgument,
                   "model description: unknown key \"" + (k.size() > 64 ? k.substr(0, 64) + "..." : k) + "\"");
-    if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() > 1000000)
+    if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() > kMaxModelField)
       throw Error(ErrorCode::kInvalidArgument, "model description: " + k + " = " + detail::short_dump(v) + " must be a non-negative integer");
     *dst = static_cast<int32_t>(v.get<int64_t>());
   }
@@ -56,12 +56,12 @@ void ModelDesc::validate() const {
   const auto bad = [](const std::string& k, int64_t v, const std::string& why) {
     throw Error(ErrorCode::kInvalidArgument, "model description: " + k + " = " + std::to_string(v) + " " + why);
   };
-  constexpr int32_t kMaxHeads = 1000000;
+  const std::string heads_range = "must be in 1.." + std::to_string(kMaxModelField);
   if (layers < 1 || layers > 4096) bad("layers", layers, "must be in 1..4096");
   if (sparse_layers < 0 || sparse_layers > layers) bad("sparse_layers", sparse_layers, "must be in 0..layers");
-  if (q_heads < 1 || q_heads > kMaxHeads) bad("q_heads", q_heads, "must be in 1..1000000");
-  if (kv_heads < 1 || kv_heads > kMaxHeads) bad("kv_heads", kv_heads, "must be in 1..1000000");
-  if (index_heads < 1 || index_heads > kMaxHeads) bad("index_heads", index_heads, "must be in 1..1000000");
+  if (q_heads < 1 || q_heads > kMaxModelField) bad("q_heads", q_heads, heads_range);
+  if (kv_heads < 1 || kv_heads > kMaxModelField) bad("kv_heads", kv_heads, heads_range);
+  if (index_heads < 1 || index_heads > kMaxModelField) bad("index_heads", index_heads, heads_range);
   if (head_dim < 16 || head_dim > 1024 || head_dim % 16) bad("head_dim", head_dim, "must be a multiple of 16 in 16..1024");
   if (index_dim != 128) bad("index_dim", index_dim, "must be 128 (fixed by the index-key formats)");
 }

@@ -62,9 +62,10 @@ AttentionConfig AttentionConfig::from_json(const std::string& text) {
       else if (s == "exact") c.k_rounding = KRounding::kExact;
       else bad(k, v, "use \"e4m3\" or \"exact\"");
     } else if (k == "indexer_prefill_gather_budget_mib") {
-      if (!v.is_number_integer()) bad(k, v, "use an integer number of MiB in 1..1048576");
+      const std::string use = "use an integer number of MiB in 1.." + std::to_string(kMaxGatherBudgetMib);
+      if (!v.is_number_integer()) bad(k, v, use);
       const auto n = v.get<int64_t>();
-      if (n < 1 || n > 1048576) bad(k, v, "use an integer number of MiB in 1..1048576");
+      if (n < 1 || n > kMaxGatherBudgetMib) bad(k, v, use);
       c.prefill_gather_budget_mib = n;
     } else {
       throw Error(ErrorCode::kInvalidArgument,
@@ -110,8 +111,9 @@ ResolvedConfig resolve_config(const AttentionConfig& c, const EngineParams& e) {
   check_k_rounding(c.k_rounding, "indexer_k_rounding");
   INDEXCP_REQUIRE(c.prefill_cp == PrefillCp::kGather || c.prefill_cp == PrefillCp::kLocalScore,
                   "indexer_prefill_cp = " + num(static_cast<int>(c.prefill_cp)) + " is not a PrefillCp (kGather or kLocalScore)");
-  INDEXCP_REQUIRE(c.prefill_gather_budget_mib >= 1 && c.prefill_gather_budget_mib <= 1048576,
-                  "indexer_prefill_gather_budget_mib = " + num(c.prefill_gather_budget_mib) + " must be in 1..1048576");
+  INDEXCP_REQUIRE(c.prefill_gather_budget_mib >= 1 && c.prefill_gather_budget_mib <= kMaxGatherBudgetMib,
+                  "indexer_prefill_gather_budget_mib = " + num(c.prefill_gather_budget_mib) + " must be in 1.." +
+                      num(kMaxGatherBudgetMib));
 
   ResolvedConfig r;
   r.requested = c;
@@ -162,6 +164,7 @@ ResolvedConfig resolve_config(const AttentionConfig& c, const EngineParams& e) {
   if (!sharding && c.prefill_cp != PrefillCp::kGather)
     r.notes.push_back("indexer_prefill_cp applies only with sharding; prefill uses the replicated cache");
 
+  r.p256_stock_decode = true;  // the default of INDEXCP_P256_STOCK_DECODE
   if (const char* env = std::getenv("INDEXCP_P256_STOCK_DECODE")) {
     const std::string v(env);
     if (v == "1") r.p256_stock_decode = true;
@@ -184,15 +187,20 @@ void check_resolved_config(const ResolvedConfig& c) {
   };
   const auto b = [](bool v) { return std::string(v ? "true" : "false"); };
   const auto i = [](int64_t v) { return std::to_string(v); };
+  // an enum by its name, or by its number when it is none of the enumerators
+  const auto e = [&](auto v, int lo, int hi) {
+    const int n = static_cast<int>(v);
+    return n >= lo && n <= hi ? to_string(v) : i(n);
+  };
   if (static_cast<int>(c.kv_dtype) != static_cast<int>(r.kv_dtype))
-    differs("kv_dtype", i(static_cast<int>(c.kv_dtype)), to_string(r.kv_dtype));
+    differs("kv_dtype", e(c.kv_dtype, 0, 2), to_string(r.kv_dtype));
   if (c.sharding != r.sharding) differs("sharding", b(c.sharding), b(r.sharding));
   if (c.shards != r.shards) differs("shards", i(c.shards), i(r.shards));
   if (static_cast<int>(c.prefill_cp) != static_cast<int>(r.prefill_cp))
-    differs("prefill_cp", i(static_cast<int>(c.prefill_cp)), to_string(r.prefill_cp));
+    differs("prefill_cp", e(c.prefill_cp, 0, 1), to_string(r.prefill_cp));
   if (c.decode_cp != r.decode_cp) differs("decode_cp", b(c.decode_cp), b(r.decode_cp));
   if (static_cast<int>(c.k_rounding) != static_cast<int>(r.k_rounding))
-    differs("k_rounding", i(static_cast<int>(c.k_rounding)), to_string(r.k_rounding));
+    differs("k_rounding", e(c.k_rounding, 0, 1), to_string(r.k_rounding));
   if (c.prefill_gather_budget_bytes != r.prefill_gather_budget_bytes)
     differs("prefill_gather_budget_bytes", i(c.prefill_gather_budget_bytes), i(r.prefill_gather_budget_bytes));
   if (c.index_bytes_per_token_per_layer_per_rank != r.index_bytes_per_token_per_layer_per_rank)

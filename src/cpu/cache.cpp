@@ -176,7 +176,12 @@ void insert_keys_bf16(IndexCache& cache, int32_t layer, const uint16_t* keys,
                       const int64_t* slot_mapping, int64_t num_tokens, const InsertOptions& opts) {
   check_num_tokens(num_tokens);
   INDEXCP_REQUIRE(num_tokens == 0 || keys != nullptr, "keys is null");
-  std::vector<float> f(static_cast<size_t>(num_tokens) * kHeadDim);
+  std::vector<float> f;
+  try {
+    f.resize(static_cast<size_t>(num_tokens) * kHeadDim);
+  } catch (const std::bad_alloc&) {
+    throw Error(ErrorCode::kRuntime, "could not allocate the fp32 copy of " + std::to_string(num_tokens) + " bf16 keys");
+  }
   for (size_t i = 0; i < f.size(); ++i) f[i] = bf16_decode(keys[i]);
   insert_impl(cache, layer, f.data(), slot_mapping, num_tokens, opts);
 }
@@ -229,6 +234,7 @@ void quantize_queries(const float* q, int64_t num_tokens, int32_t heads, const K
   INDEXCP_REQUIRE(heads >= 1 && heads <= 64, "heads = " + std::to_string(heads) + " is out of range 1..64");
   check_num_tokens(num_tokens);
   INDEXCP_REQUIRE(num_tokens == 0 || (q != nullptr && out != nullptr), "q or out is null");
+  if (num_tokens == 0) return;  // (as insert_keys: no token, nothing else checked)
   check_preprocess(pre);
   const int64_t n = num_tokens * heads;
   for (int64_t i = 0; i < n; ++i)

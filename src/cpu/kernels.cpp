@@ -59,9 +59,12 @@ void check_scores(const BlockScores& s, const std::vector<QueryRow>& rows) {
                   "scores.rows = " + std::to_string(s.rows) + " does not match rows (" + std::to_string(rows.size()) + ")");
   INDEXCP_REQUIRE(s.heads >= 1 && s.heads <= 64, "scores.heads = " + std::to_string(s.heads) + " is out of range 1..64");
   INDEXCP_REQUIRE(s.max_blocks >= 0, "scores.max_blocks = " + std::to_string(s.max_blocks) + " must be >= 0");
-  // the product in long double: rows x heads x max_blocks can wrap in 64 bits and match empty vectors
-  const long double n = static_cast<long double>(s.rows) * s.heads * s.max_blocks;
-  INDEXCP_REQUIRE(n == static_cast<long double>(s.score.size()) && n == static_cast<long double>(s.valid.size()),
+  // rows x heads x max_blocks can wrap in 64 bits and match empty vectors: an overflowing product
+  // matches no size
+  int64_t n = 0;
+  const bool over = __builtin_mul_overflow(s.rows, static_cast<int64_t>(s.heads), &n) ||
+                    __builtin_mul_overflow(n, s.max_blocks, &n);
+  INDEXCP_REQUIRE(!over && static_cast<uint64_t>(n) == s.score.size() && static_cast<uint64_t>(n) == s.valid.size(),
                   "scores.score / scores.valid must hold rows x heads x max_blocks = " + std::to_string(s.rows) + " x " +
                       std::to_string(s.heads) + " x " + std::to_string(s.max_blocks) + " entries");
   for (size_t i = 0; i < rows.size(); ++i)

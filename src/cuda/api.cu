@@ -464,8 +464,8 @@ void quantize_queries(const float* q, int64_t num_tokens, int32_t heads, const K
   INDEXCP_REQUIRE(heads >= 1 && heads <= 64, "heads = " + std::to_string(heads) + " is out of range 1..64");
   check_num_tokens(num_tokens);
   INDEXCP_REQUIRE(num_tokens == 0 || (q != nullptr && out != nullptr), "q or out is null");
+  if (num_tokens == 0) return;  // (as insert_keys: no token, nothing else checked)
   check_preprocess(pre);
-  if (num_tokens == 0) return;
   const cudaStream_t st = cs(stream);
   Tmp<unsigned long long> err(1, st);
   std::unique_ptr<Tmp<float>> cs_dev;
@@ -522,6 +522,7 @@ void decode_scores(const DeviceCache& cache, int32_t layer, const DecodeBatch& b
   check_not_bf16(cache);
   check_decode_shape(batch);
   check_head_range(batch.heads, h0, nh);
+  check_k_rounding(mode, "mode");  // (also in decode_score_launch; here before out is filled)
   if (validate) validate_decode_batch(batch, cache.num_pages(), cache.layout().page_size);
   const int64_t mb = max_blocks_of(batch.max_pages, cache.layout());
   const int64_t n = batch.rows() * nh * mb;

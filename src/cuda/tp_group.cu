@@ -102,7 +102,7 @@ class CudaTpIndexer final : public TpIndexer {
   int64_t cache_bytes_per_rank() const override { return caches_[0].size_bytes(); }
 
   void insert(const float* keys, const int64_t* slots, int64_t n, float S) override {
-    INDEXCP_REQUIRE(n >= 0, "num_tokens = " + std::to_string(n) + " must be >= 0");
+    check_num_tokens(n);  // before n keys are uploaded
     if (n == 0) return;
     INDEXCP_REQUIRE(keys != nullptr && slots != nullptr, "keys or slot_mapping is null");
     Dev<float> k(keys, static_cast<size_t>(n) * kHeadDim);

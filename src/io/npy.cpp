@@ -230,6 +230,19 @@ std::size_t itemsize(Dtype d) {
   return 1;
 }
 
+// Bytes of an array of `shape` (entries >= 0) of `itemsize`-byte elements, or -1 when they exceed
+// int64 (an empty shape entry makes 0 whatever the others): the reader's and the writer's rule.
+int64_t data_bytes(const std::vector<int64_t>& shape, std::size_t itemsize) {
+  unsigned __int128 bytes = itemsize;
+  bool zero = false, over = false;
+  for (int64_t d : shape) {
+    if (d == 0) zero = true;
+    if (!over) bytes *= static_cast<unsigned __int128>(d);
+    if (bytes > static_cast<unsigned __int128>(std::numeric_limits<int64_t>::max())) over = true;
+  }
+  return zero ? 0 : over ? -1 : static_cast<int64_t>(bytes);
+}
+
 std::string shape_string(const std::vector<int64_t>& shape) {
   std::string s = "[";
   for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
@@ -302,22 +315,14 @@ Array parse(const std::vector<uint8_t>& f, const std::string& name) {
     fail(name, "Fortran-ordered arrays are not supported; save a C-ordered array (np.ascontiguousarray)");
 
   // element count and byte count without overflow
-  const std::size_t isz = itemsize(a.dtype);
   const std::size_t avail = f.size() - header_start - header_len;
-  unsigned __int128 bytes = isz;
-  bool zero = false;
-  for (int64_t d : a.shape) {
-    if (d == 0) zero = true;
-    bytes *= static_cast<unsigned __int128>(d);
-    if (!zero && bytes > static_cast<unsigned __int128>(std::numeric_limits<int64_t>::max()))
-      fail(name, "shape " + shape_string(a.shape) + " is too large (corrupt header?)");
-  }
-  if (zero) bytes = 0;
-  if (bytes > avail)
+  const int64_t bytes = data_bytes(a.shape, itemsize(a.dtype));
+  if (bytes < 0) fail(name, "shape " + shape_string(a.shape) + " is too large (corrupt header?)");
+  if (static_cast<uint64_t>(bytes) > avail)
     fail(name, "file is truncated: shape " + shape_string(a.shape) + " of " + dtype_name(a.dtype) + " needs " +
                    std::to_string(static_cast<uint64_t>(bytes)) + " data bytes but the file holds " +
                    std::to_string(avail));
-  if (bytes < avail)
+  if (static_cast<uint64_t>(bytes) < avail)
     fail(name, "file has " + std::to_string(avail - static_cast<std::size_t>(bytes)) +
                    " bytes after the data of shape " + shape_string(a.shape) + " (corrupt or not one array)");
   const std::size_t off = header_start + header_len;
@@ -345,18 +350,13 @@ std::vector<uint8_t> serialize(Dtype dtype, const std::vector<int64_t>& shape, c
   if (shape.size() > static_cast<std::size_t>(kMaxDims))
     throw Error(ErrorCode::kInvalidArgument, "npy::save: shape has " + std::to_string(shape.size()) +
                                                  " dimensions; at most 32 (what parse reads back)");
-  // the byte count without overflow (the reader's rule): a shape whose bytes exceed int64 is refused
-  unsigned __int128 bytes = itemsize(dtype);
-  bool zero = false;
   for (std::size_t i = 0; i < shape.size(); ++i) {
     if (shape[i] < 0) throw Error(ErrorCode::kInvalidArgument, "npy::save: negative shape entry");
     dict += (i ? ", " : "") + std::to_string(shape[i]);
-    if (shape[i] == 0) zero = true;
-    bytes *= static_cast<unsigned __int128>(shape[i]);
-    if (!zero && bytes > static_cast<unsigned __int128>(std::numeric_limits<int64_t>::max()))
-      throw Error(ErrorCode::kInvalidArgument, "npy::save: shape " + shape_string(shape) + " is too large");
   }
-  const int64_t n = zero ? 0 : static_cast<int64_t>(bytes / itemsize(dtype));
+  const int64_t array_bytes = data_bytes(shape, itemsize(dtype));  // the reader's rule
+  if (array_bytes < 0) throw Error(ErrorCode::kInvalidArgument, "npy::save: shape " + shape_string(shape) + " is too large");
+  const int64_t n = array_bytes / static_cast<int64_t>(itemsize(dtype));
   if (shape.size() == 1) dict += ",";
   dict += "), }";
   // pad with spaces so that preamble + header is a multiple of 64, ending in '\n'

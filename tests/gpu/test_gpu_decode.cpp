@@ -680,6 +680,21 @@ TEST(GpuDecode, BadArgumentsAreRefusedWithTheArgumentNamed) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("cache is sharded"), std::string::npos);
   }
+  // a KRounding that is none of the enumerators: refused by name, and decode_scores' output is not
+  // touched (its -Inf fill used to run before the check)
+  const int64_t ns = 4 * 4 * static_cast<int64_t>(s.req.max_pages);
+  DevArr<float> sc(static_cast<size_t>(ns));
+  sc.upload(std::vector<float>(static_cast<size_t>(ns), 7.0f));
+  for (int m : {2, -1}) {
+    try {
+      cuda::decode_scores(dev[0], 0, d.b, 0, 4, static_cast<KRounding>(m), sc.get(), nullptr);
+      ADD_FAILURE() << "accepted mode " << m;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("mode = " + std::to_string(m) + " is not a KRounding"), std::string::npos)
+          << e.what();
+    }
+  }
+  for (float v : sc.host()) ASSERT_EQ(v, 7.0f);
 }
 
 // A decode step captured once in a CUDA graph and replayed with new metadata (seq_lens, block
