@@ -293,7 +293,7 @@ bool decode_processes(const DecodeOptions& o, const RankEnv& env) {
                                          std::to_string(env.world) + ")");
   INDEXCP_REQUIRE(o.dump.empty(), "--dump is not supported with several processes");
   // no GPU: say so now, not after the rendezvous timeout of a group that can never form
-  if (!cuda::available()) throw Error(ErrorCode::kRuntime, "no CUDA GPU is visible: `indexcp bench` needs one");
+  if (!cuda::available()) throw Error(ErrorCode::kUnsupported, "no CUDA GPU is visible: `indexcp bench` needs one");
   auto comm = nccl::make_communicator(env);  // also makes env.device the current device
   const KvDtype dt = o.kv_dtype == "fp8" ? KvDtype::kFp8 : KvDtype::kNvfp4;
   const KRounding mode = o.k_rounding == "exact" ? KRounding::kExact : KRounding::kE4m3;

@@ -179,7 +179,7 @@ std::string driver_version() {
 
 Device::Device(bool measure_fp8) {
   if (!cuda::available())
-    throw Error(ErrorCode::kRuntime, "no CUDA GPU is visible: `indexcp bench` needs one");
+    throw Error(ErrorCode::kUnsupported, "no CUDA GPU is visible: `indexcp bench` needs one");
   ck(cudaStreamCreateWithFlags(&st_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
   ck(cudaEventCreate(&a_), "cudaEventCreate");
   ck(cudaEventCreate(&b_), "cudaEventCreate");
