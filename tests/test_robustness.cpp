@@ -157,12 +157,25 @@ TEST(Robustness, AbortedGroupRefusesCollectives) {
 
 // ---- inputs found by a probe of the public API (session 10); nothing stored may change
 
-TEST(Robustness, HeadRangesNearInt32MaxAreRefused) {
-  const auto req = make_requests({300}, 128, 1);
+namespace {
+// One request of 300 tokens in a replicated NVFP4 cache of P128 pages, and the cache's bytes.
+struct Stored {
+  Requests req = make_requests({300}, 128, 1);
   std::vector<float> keys;
   std::vector<int64_t> slots;
-  make_keys(req, 2, keys, slots);
-  const auto caches = make_shards(KvDtype::kNvfp4, req, 1, keys, slots);
+  std::vector<IndexCache> caches;
+  Stored() {
+    make_keys(req, 2, keys, slots);
+    caches = make_shards(KvDtype::kNvfp4, req, 1, keys, slots);
+  }
+  std::vector<uint8_t> bytes() const { return {caches[0].data(), caches[0].data() + caches[0].size_bytes()}; }
+};
+}  // namespace
+
+TEST(Robustness, HeadRangesNearInt32MaxAreRefused) {
+  const Stored st;
+  const auto& req = st.req;
+  const auto& caches = st.caches;
   const auto q = make_q(1, 4, 3);
   const DecodeBatch b = decode_batch(req, q, 4, 1);
   std::vector<int32_t> out(16 * 4, 7);
@@ -184,12 +197,10 @@ TEST(Robustness, EnumValuesOutsideTheEnumeratorsAreRefused) {
   l.dtype = static_cast<KvDtype>(5);
   expect_error([&] { IndexCache c(l, 4, 1); }, "dtype = 5");
 
-  const auto req = make_requests({300}, 128, 1);
-  std::vector<float> keys;
-  std::vector<int64_t> slots;
-  make_keys(req, 2, keys, slots);
-  auto caches = make_shards(KvDtype::kNvfp4, req, 1, keys, slots);
-  const std::vector<uint8_t> before(caches[0].data(), caches[0].data() + caches[0].size_bytes());
+  Stored st;
+  const auto& req = st.req;
+  auto& caches = st.caches;
+  const std::vector<uint8_t> before = st.bytes();
   const auto q = make_q(1, 4, 3);
   const DecodeBatch b = decode_batch(req, q, 4, 1);
   std::vector<int32_t> out(16 * 4, 7);
@@ -200,7 +211,7 @@ TEST(Robustness, EnumValuesOutsideTheEnumeratorsAreRefused) {
   expect_error([&] { read_row_khat(caches[0], 0, 0, 0, static_cast<KRounding>(2), k); }, "mode = 2");
   expect_error([&] { read_row_khat(caches[0], 0, 0, 0, KRounding::kE4m3, nullptr); }, "out is null");
   for (int32_t v : out) EXPECT_EQ(v, 7);
-  EXPECT_EQ(std::vector<uint8_t>(caches[0].data(), caches[0].data() + caches[0].size_bytes()), before);
+  EXPECT_EQ(st.bytes(), before);
 
   // a hand-built AttentionConfig: the same rules as from_json
   EngineParams e;
@@ -282,19 +293,18 @@ TEST(Robustness, HandEditedResolvedConfigIsRefused) {
 }
 
 TEST(Robustness, HugeCountsAreRefusedByName) {
-  const auto req = make_requests({300}, 128, 1);
-  std::vector<float> keys;
-  std::vector<int64_t> slots;
-  make_keys(req, 2, keys, slots);
-  auto caches = make_shards(KvDtype::kNvfp4, req, 1, keys, slots);
-  const std::vector<uint8_t> before(caches[0].data(), caches[0].data() + caches[0].size_bytes());
+  Stored st;
+  auto& caches = st.caches;
+  auto& keys = st.keys;
+  auto& slots = st.slots;
+  const std::vector<uint8_t> before = st.bytes();
   // std::bad_array_new_length escaped; the bf16 variant said "keys is null" (num_tokens * 128 wrapped)
   expect_error([&] { insert_keys(caches[0], 0, keys.data(), slots.data(), INT64_MAX); }, "num_tokens = 9223372036854775807");
   std::vector<uint16_t> kb(128);
   expect_error([&] { insert_keys_bf16(caches[0], 0, kb.data(), slots.data(), int64_t{1} << 57); }, "num_tokens");
   std::vector<uint8_t> qo(128);
   expect_error([&] { quantize_queries(keys.data(), int64_t{1} << 60, 64, {}, qo.data()); }, "num_tokens");
-  EXPECT_EQ(std::vector<uint8_t>(caches[0].data(), caches[0].data() + caches[0].size_bytes()), before);
+  EXPECT_EQ(st.bytes(), before);
   // a huge num_requests reaches the check of seq_lens[0] (it failed to allocate its rows first)
   std::vector<int32_t> lens = {-1}, bt = {0};
   const auto q = make_q(1, 4, 3);
@@ -306,12 +316,11 @@ TEST(Robustness, HugeCountsAreRefusedByName) {
 }
 
 TEST(Robustness, PreprocessParametersAreNamed) {
-  const auto req = make_requests({300}, 128, 1);
-  std::vector<float> keys;
-  std::vector<int64_t> slots;
-  make_keys(req, 2, keys, slots);
-  auto caches = make_shards(KvDtype::kNvfp4, req, 1, keys, slots);
-  const std::vector<uint8_t> before(caches[0].data(), caches[0].data() + caches[0].size_bytes());
+  Stored st;
+  auto& caches = st.caches;
+  auto& keys = st.keys;
+  auto& slots = st.slots;
+  const std::vector<uint8_t> before = st.bytes();
   const std::vector<float> w(128, 0.5f);
   const std::vector<int64_t> pos(keys.size() / 128, 0);
   std::vector<uint8_t> qo(keys.size());
@@ -330,5 +339,5 @@ TEST(Robustness, PreprocessParametersAreNamed) {
     expect_error([&] { insert_keys(caches[0], 0, keys.data(), slots.data(), 1, o); }, "rope_theta = ");
     expect_error([&] { quantize_queries(keys.data(), 1, 1, o.pre, qo.data()); }, "rope_theta = ");
   }
-  EXPECT_EQ(std::vector<uint8_t>(caches[0].data(), caches[0].data() + caches[0].size_bytes()), before);
+  EXPECT_EQ(st.bytes(), before);
 }
