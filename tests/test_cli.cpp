@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -779,5 +780,33 @@ TEST(Cli, RunAcrossTwoProcessesEqualsTheSimulatedRun) {
     EXPECT_TRUE(rep["ranks"][k]["all_selections_equal_replicated"].get<bool>());
     EXPECT_EQ(rep["ranks"][k]["configs"].size(), 8u);
   }
+  fs::remove_all(d);
+}
+
+// Two ranks started with different settings (an engine that starts its own processes): each rank
+// checks, before its first collective, that the other was given the same config and cache size,
+// and both stop with an error naming what differs instead of merging candidates of different
+// caches or waiting in collectives of different sizes.
+TEST(Cli, RunAcrossTwoProcessesRefusesRanksThatDisagree) {
+  const fs::path d = temp_dir();
+  const int gpus = visible_gpus(d);
+  if (gpus < 2) {
+    fs::remove_all(d);
+    GTEST_SKIP() << "needs 2 GPUs; " << gpus << " visible";
+  }
+  // rank r runs with --page-size 128 << r
+  const std::string job = "run --synthetic --requests 1 --tokens 2048 --prefill-tokens 16 --steps 1 --query-len 4 "
+                          "--kv-dtype nvfp4 --sharding on -q --page-size $((128 << INDEXCP_RANK))";
+  const auto t0 = std::chrono::steady_clock::now();
+  const Result r = run("launch --tp 2 --timeout 30 --time-limit 120 -- sh -c 'exec \"$0\" " + job + "' '" +
+                           INDEXCP_CLI_PATH + "'",
+                       d);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(r.status, 2) << r.out << r.err;
+  for (const char* rank : {"[rank 0] ", "[rank 1] "}) {
+    const std::string line = std::string(rank) + "indexcp: error: the ranks of the TP group disagree on page_size: rank 0 has 128, rank 1 has 256";
+    EXPECT_NE(r.err.find(line), std::string::npos) << r.err;
+  }
+  EXPECT_LT(seconds, 25.0) << "refused at the start, not after a collective's 30 s timeout";
   fs::remove_all(d);
 }

@@ -3,14 +3,17 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "indexcp/capacity.hpp"
+#include "indexcp/comm.hpp"
 #include "indexcp/config.hpp"
 #include "indexcp/error.hpp"
+#include "indexcp/tp_group.hpp"
 
 using namespace indexcp;
 using nlohmann::json;
@@ -561,4 +564,106 @@ TEST(ConfigStrictJson, LongValuesAreCutInMessages) {
       EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos);
     }
   }
+}
+
+// ---- the ranks of a TP group agree on the config and cache size (config.hpp, RankAgreement) ----
+
+namespace {
+
+ResolvedConfig resolved(const std::string& j, int tp = 2, int P = 128) { return resolve_config(cfg(j), engine(tp, P)); }
+
+// Each rank's error message (empty: it returned) from check_rank_agreement over an in-process group.
+std::vector<std::string> agree(const std::vector<ResolvedConfig>& cs, const std::vector<int64_t>& pages) {
+  std::vector<std::string> msg(cs.size());
+  run_ranks(static_cast<int>(cs.size()), [&](int r, Communicator& comm) {
+    msg[static_cast<size_t>(r)] = error_of([&] { check_rank_agreement(comm, cs[static_cast<size_t>(r)], pages[static_cast<size_t>(r)]); });
+  });
+  return msg;
+}
+
+}  // namespace
+
+TEST(RankAgreement, EqualRecordsPassAndEachFieldIsNamedWhenItDiffers) {
+  EnvGuard env(nullptr);
+  const std::string on = R"({"indexer_kv_dtype": "nvfp4", "indexer_cache_sharding": "on"})";
+  const ResolvedConfig base = resolved(on);
+  const RankAgreement a = rank_agreement(base, 100);
+  std::vector<RankAgreement> all = {a, a};
+  EXPECT_NO_THROW(check_rank_agreement_records(all.data(), 2));
+  EXPECT_NO_THROW(check_rank_agreement_records(all.data(), 1));
+  // the same effective config from another request (sharding asked for where it applies equally)
+  EXPECT_EQ(0, std::memcmp(&a, &all[1], sizeof(RankAgreement)));
+  struct Case {
+    ResolvedConfig other;
+    int64_t pages;
+    std::vector<std::string> needles;
+  };
+  const std::vector<Case> cases = {
+      {resolved(on, 4), 100, {"disagree on tp", "rank 0 has 2", "rank 1 has 4"}},
+      {resolved(on, 2, 256), 100, {"disagree on page_size", "rank 0 has 128", "rank 1 has 256"}},
+      {resolved(R"({"indexer_kv_dtype": "fp8", "indexer_cache_sharding": "on"})"), 100,
+       {"indexer_kv_dtype", "rank 0 has nvfp4", "rank 1 has fp8"}},
+      {resolved(R"({"indexer_kv_dtype": "nvfp4"})"), 100, {"indexer_cache_sharding (effective)", "rank 0 has on", "rank 1 has off"}},
+      {resolved(R"({"indexer_kv_dtype": "nvfp4", "indexer_decode_cp": true})"), 100,
+       {"indexer_cache_sharding (effective)"}},  // the first field that differs is named
+      {resolved(R"({"indexer_kv_dtype": "nvfp4", "indexer_cache_sharding": "on", "indexer_prefill_cp": "local_score"})"), 100,
+       {"indexer_prefill_cp", "rank 0 has gather", "rank 1 has local_score"}},
+      {resolved(R"({"indexer_kv_dtype": "nvfp4", "indexer_cache_sharding": "on", "indexer_k_rounding": "exact"})"), 100,
+       {"indexer_k_rounding", "rank 0 has e4m3", "rank 1 has exact"}},
+      {resolved(R"({"indexer_kv_dtype": "nvfp4", "indexer_cache_sharding": "on", "indexer_prefill_gather_budget_mib": 64})"), 100,
+       {"prefill_gather_budget_bytes", "rank 0 has 268435456", "rank 1 has 67108864"}},
+      {base, 101, {"num_pages", "rank 0 has 100", "rank 1 has 101"}},
+  };
+  for (const auto& c : cases) {
+    const std::string ctx = c.needles[0];
+    std::vector<RankAgreement> two = {a, rank_agreement(c.other, c.pages)};
+    expect_error([&] { check_rank_agreement_records(two.data(), 2); }, c.needles, ctx);
+    // the rank that differs is named wherever it sits
+    std::vector<RankAgreement> three = {a, a, rank_agreement(c.other, c.pages)};
+    expect_error([&] { check_rank_agreement_records(three.data(), 3); }, {"rank 2 has"}, ctx);
+  }
+  // decode CP over a replicated cache, against plain replicated decode
+  std::vector<RankAgreement> cp = {rank_agreement(resolved(R"({"indexer_kv_dtype": "fp8"})"), 9),
+                                   rank_agreement(resolved(R"({"indexer_kv_dtype": "fp8", "indexer_decode_cp": true})"), 9)};
+  expect_error([&] { check_rank_agreement_records(cp.data(), 2); }, {"indexer_decode_cp (effective)", "off", "on"});
+}
+
+TEST(RankAgreement, RecordsOfAnotherBuildOrOfARefusingRankAndBadArguments) {
+  EnvGuard env(nullptr);
+  const RankAgreement a = rank_agreement(resolved(R"({"indexer_kv_dtype": "nvfp4"})"), 10);
+  RankAgreement other = a;
+  other.v[0] += 1;  // another version of the record
+  std::vector<RankAgreement> v = {a, other};
+  expect_error([&] { check_rank_agreement_records(v.data(), 2); }, {"rank 1", "another indexcp build"});
+  v[1] = RankAgreement{};  // zeros: that rank refused its own inputs
+  expect_error([&] { check_rank_agreement_records(v.data(), 2); }, {"rank 1", "refused its own configuration"});
+  expect_error([&] { check_rank_agreement_records(v.data(), 0); }, {"world = 0"});
+  expect_error([&] { check_rank_agreement_records(nullptr, 2); }, {"null"});
+  expect_error([&] { rank_agreement(resolved(R"({"indexer_kv_dtype": "nvfp4"})"), 0); }, {"num_pages = 0"});
+  ResolvedConfig edited = resolved(R"({"indexer_kv_dtype": "nvfp4"})");
+  edited.shards = 2;  // not what resolve_config gives
+  expect_error([&] { rank_agreement(edited, 10); }, {"ResolvedConfig.shards"});
+}
+
+// Over a communicator: every rank learns of a disagreement (no rank waits for one that already
+// gave up), and a rank that refuses its own inputs names them while the others name that rank.
+TEST(RankAgreement, EveryRankOfAGroupIsToldWhatDiffers) {
+  EnvGuard env(nullptr);
+  const std::string on = R"({"indexer_kv_dtype": "nvfp4", "indexer_cache_sharding": "on"})";
+  auto m = agree({resolved(on), resolved(on)}, {50, 50});
+  EXPECT_EQ(m[0], "");
+  EXPECT_EQ(m[1], "");
+  m = agree({resolved(on), resolved(on, 2, 256)}, {50, 50});
+  for (int r = 0; r < 2; ++r)
+    for (const char* n : {"disagree on page_size", "rank 0 has 128", "rank 1 has 256"})
+      EXPECT_NE(m[r].find(n), std::string::npos) << "rank " << r << ": " << m[r];
+  m = agree({resolved(on, 4), resolved(on, 4), resolved(on, 4), resolved(on, 4)}, {7, 7, 8, 7});
+  for (int r = 0; r < 4; ++r) EXPECT_NE(m[r].find("rank 2 has 8"), std::string::npos) << "rank " << r << ": " << m[r];
+  // rank 1 was given tp = 4 on a group of 2: it says so, rank 0 names rank 1
+  m = agree({resolved(on), resolved(on, 4)}, {50, 50});
+  EXPECT_NE(m[1].find("world size (2) differs from the configuration's tp (4)"), std::string::npos) << m[1];
+  EXPECT_NE(m[0].find("rank 1 of the TP group refused its own configuration"), std::string::npos) << m[0];
+  m = agree({resolved(on), resolved(on)}, {50, -1});
+  EXPECT_NE(m[1].find("num_pages = -1"), std::string::npos) << m[1];
+  EXPECT_NE(m[0].find("rank 1 of the TP group refused"), std::string::npos) << m[0];
 }

@@ -32,6 +32,7 @@
 
 #include "indexcp/cache.hpp"
 #include "indexcp/comm.hpp"
+#include "indexcp/config.hpp"
 #include "indexcp/icp.hpp"
 #include "indexcp/indexer.hpp"
 
@@ -148,6 +149,14 @@ void prefill_scores(const DeviceCache& cache, int32_t layer, const PrefillBatch&
 // ---------------------------------------------------------------------------------------------
 // Indexer context parallelism, one rank (indexer.md section 5). `comm` must be a device
 // communicator (DeviceGroup) whose collectives move device buffers on `stream`.
+
+/// indexcp::check_rank_agreement (tp_group.hpp) for a communicator on device buffers (NCCL,
+/// DeviceGroup): every rank calls it once with its own config and cache size, before its first
+/// collective call below; make_cuda_rank_indexer does. Uploads the rank's record (config.hpp,
+/// RankAgreement, 80 bytes) on `stream`, all-gathers it through comm, waits with
+/// comm.synchronize(stream) and checks the records on the host. Errors as the host version; a
+/// communicator failure (a dead peer) is comm's Error.
+void check_rank_agreement(Communicator& comm, const ResolvedConfig& config, int64_t num_pages, Stream stream);
 
 /// ICP decode over a sharded cache: score all heads over this rank's rows, publish, all-gather
 /// through comm, merge this rank's owned heads. out int32 [rows, owned heads, K].

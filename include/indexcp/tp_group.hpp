@@ -54,6 +54,15 @@ class TpIndexer {
   virtual int64_t cache_bytes_per_rank() const = 0;
 };
 
+/// Checks, once per group, that every rank was given the same effective configuration and cache
+/// size (config.hpp, RankAgreement): every rank of `comm` calls it with its own values, before its
+/// first collective call of icp.hpp. `comm` moves host buffers (InProcessGroup); a group on device
+/// buffers (NCCL, DeviceGroup) uses cuda::check_rank_agreement. On every rank: returns when all
+/// agree; otherwise throws Error (kInvalidArgument) naming the field and two ranks' values. A rank
+/// whose own inputs are refused (check_resolved_config, num_pages <= 0, comm.world() != tp) throws
+/// its own error, and the others "rank r ... refused its own configuration".
+void check_rank_agreement(Communicator& comm, const ResolvedConfig& config, int64_t num_pages);
+
 /// The CPU backend: W caches of num_pages pages (one layer). Errors as resolve_config and
 /// IndexCache.
 std::unique_ptr<TpIndexer> make_cpu_tp_indexer(const ResolvedConfig& config, int64_t num_pages);

@@ -2,6 +2,7 @@
 #include "indexcp/config.hpp"
 
 #include <cstdlib>
+#include <exception>
 #include <nlohmann/json.hpp>
 
 #include "indexcp/error.hpp"
@@ -209,6 +210,95 @@ void check_resolved_config(const ResolvedConfig& c) {
   if (c.p256_stock_decode && !(c.sharding && c.engine.page_size == 256 && c.engine.tp == 2))
     differs("p256_stock_decode", "true", "false (it applies at sharding, P256, TP2 only)");
 }
+
+namespace {
+
+// "icpa" and the record's version: a rank of another build (another field list) is refused as such
+constexpr int64_t kRankAgreementVersion = (int64_t{0x69637061} << 32) | 1;
+constexpr const char* kRankAgreementNames[RankAgreement::kFields] = {
+    "the agreement record's version", "tp", "page_size", "indexer_kv_dtype", "indexer_cache_sharding (effective)",
+    "indexer_decode_cp (effective)", "indexer_prefill_cp", "indexer_k_rounding", "prefill_gather_budget_bytes",
+    "num_pages (index cache pages per rank)"};
+
+// field f's value as the user set it: an enum by name, a switch as on / off
+std::string agreement_value(int f, int64_t v) {
+  const auto in = [&](int64_t lo, int64_t hi) { return v >= lo && v <= hi; };
+  switch (f) {
+    case 3: return in(0, 2) ? to_string(static_cast<KvDtype>(v)) : std::to_string(v);
+    case 4:
+    case 5: return in(0, 1) ? (v ? "on" : "off") : std::to_string(v);
+    case 6: return in(0, 1) ? to_string(static_cast<PrefillCp>(v)) : std::to_string(v);
+    case 7: return in(0, 1) ? to_string(static_cast<KRounding>(v)) : std::to_string(v);
+    default: return std::to_string(v);
+  }
+}
+
+}  // namespace
+
+RankAgreement rank_agreement(const ResolvedConfig& c, int64_t num_pages) {
+  check_resolved_config(c);
+  INDEXCP_REQUIRE(num_pages > 0, "num_pages = " + std::to_string(num_pages) + " must be > 0");
+  RankAgreement r;
+  r.v[0] = kRankAgreementVersion;
+  r.v[1] = c.engine.tp;
+  r.v[2] = c.engine.page_size;
+  r.v[3] = static_cast<int64_t>(c.kv_dtype);
+  r.v[4] = c.sharding;
+  r.v[5] = c.decode_cp;
+  r.v[6] = static_cast<int64_t>(c.prefill_cp);
+  r.v[7] = static_cast<int64_t>(c.k_rounding);
+  r.v[8] = c.prefill_gather_budget_bytes;
+  r.v[9] = num_pages;
+  return r;
+}
+
+void check_rank_agreement_records(const RankAgreement* all, int world) {
+  INDEXCP_REQUIRE(world >= 1, "world = " + std::to_string(world) + " must be >= 1");
+  INDEXCP_REQUIRE(all != nullptr, "the ranks' agreement records are null");
+  for (int p = 0; p < world; ++p)
+    if (all[p].v[0] == 0)
+      throw Error(ErrorCode::kInvalidArgument, "rank " + std::to_string(p) +
+                                                   " of the TP group refused its own configuration, cache size or "
+                                                   "communicator (its own error says why)");
+  for (int p = 0; p < world; ++p)
+    if (all[p].v[0] != kRankAgreementVersion)
+      throw Error(ErrorCode::kInvalidArgument,
+                  "rank " + std::to_string(p) + " of the TP group sent an agreement record of another indexcp build (" +
+                      std::to_string(all[p].v[0]) + ", this build's is " + std::to_string(kRankAgreementVersion) +
+                      "); run the same indexcp on every rank");
+  for (int f = 1; f < RankAgreement::kFields; ++f)
+    for (int p = 1; p < world; ++p)
+      if (all[p].v[f] != all[0].v[f])
+        throw Error(ErrorCode::kInvalidArgument,
+                    std::string("the ranks of the TP group disagree on ") + kRankAgreementNames[f] + ": rank 0 has " +
+                        agreement_value(f, all[0].v[f]) + ", rank " + std::to_string(p) + " has " +
+                        agreement_value(f, all[p].v[f]) +
+                        "; every rank needs the same attention config, engine parameters and number of index cache "
+                        "pages");
+}
+
+namespace detail {
+
+void exchange_rank_agreement(const ResolvedConfig& c, int64_t num_pages, int world,
+                             const std::function<void(const RankAgreement*, RankAgreement*)>& all_gather) {
+  INDEXCP_REQUIRE(world >= 1, "the communicator's world = " + std::to_string(world) + " must be >= 1");
+  RankAgreement mine;  // zeros: this rank refused its own inputs
+  std::exception_ptr own;
+  try {
+    INDEXCP_REQUIRE(world == c.engine.tp, "the communicator's world size (" + std::to_string(world) +
+                                              ") differs from the configuration's tp (" +
+                                              std::to_string(c.engine.tp) + ")");
+    mine = rank_agreement(c, num_pages);
+  } catch (const Error&) {
+    own = std::current_exception();
+  }
+  std::vector<RankAgreement> all(static_cast<std::size_t>(world));
+  all_gather(&mine, all.data());
+  if (own) std::rethrow_exception(own);
+  check_rank_agreement_records(all.data(), world);
+}
+
+}  // namespace detail
 
 std::string ResolvedConfig::to_json() const {
   json j = config_json(requested);

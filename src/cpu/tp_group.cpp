@@ -121,6 +121,12 @@ class CpuTpIndexer final : public TpIndexer {
 
 }  // namespace
 
+void check_rank_agreement(Communicator& comm, const ResolvedConfig& config, int64_t num_pages) {
+  detail::exchange_rank_agreement(config, num_pages, comm.world(), [&](const RankAgreement* send, RankAgreement* recv) {
+    comm.all_gather(send, recv, sizeof(RankAgreement), nullptr);
+  });
+}
+
 std::unique_ptr<TpIndexer> make_cpu_tp_indexer(const ResolvedConfig& c, int64_t num_pages) {
   return std::make_unique<CpuTpIndexer>(c, num_pages);
 }

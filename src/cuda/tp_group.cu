@@ -46,20 +46,37 @@ void require_gpu() {
     throw Error(ErrorCode::kUnsupported, "--backend cuda: no CUDA GPU is visible (this build has the CUDA backend)");
 }
 
+}  // namespace
+
+void cuda::check_rank_agreement(Communicator& comm, const ResolvedConfig& config, int64_t num_pages, Stream stream) {
+  indexcp::detail::exchange_rank_agreement(config, num_pages, comm.world(), [&](const RankAgreement* send, RankAgreement* recv) {
+    const size_t n = sizeof(RankAgreement), W = static_cast<size_t>(comm.world());
+    cuda::detail::DeviceBuffer<RankAgreement> d(1 + W);  // [send | recv x W]
+    const auto st = reinterpret_cast<cudaStream_t>(stream);
+    cuda::detail::check(cudaMemcpyAsync(d.get(), send, n, cudaMemcpyHostToDevice, st), "cudaMemcpyAsync (agreement record)");
+    comm.all_gather(d.get(), d.get() + 1, n, stream);
+    comm.synchronize(stream);  // bounded by the communicator's timeout (a dead peer)
+    cuda::detail::check(cudaMemcpyAsync(recv, d.get() + 1, n * W, cudaMemcpyDeviceToHost, st),
+                        "cudaMemcpyAsync (agreement records)");
+    cuda::detail::check(cudaStreamSynchronize(st), "cudaStreamSynchronize (agreement records)");
+  });
+}
+
+namespace {
+
 class CudaTpIndexer final : public TpIndexer {
  public:
   // group == nullptr: every rank simulated here; else this process is rank group->rank().
   CudaTpIndexer(const ResolvedConfig& c, int64_t num_pages, Communicator* group) : cfg_(c), group_(group) {
-    check_resolved_config(c);
+    // a rank of a group checks, before anything else, that the others were given the same config
+    // and cache size (it checks its own config there too; on the legacy stream: nothing else is
+    // made yet)
+    if (group_) cuda::check_rank_agreement(*group_, c, num_pages, nullptr);
+    else check_resolved_config(c);
     if (c.kv_dtype == KvDtype::kBf16)
       throw Error(ErrorCode::kUnsupported,
                   "indexer_kv_dtype = bf16 is not supported by --backend cuda (use fp8 or nvfp4, or --backend cpu)");
-    if (group_) {
-      INDEXCP_REQUIRE(group_->world() == c.engine.tp,
-                      "the communicator's world size (" + std::to_string(group_->world()) +
-                          ") differs from the configuration's tp (" + std::to_string(c.engine.tp) + ")");
-      first_ = c.shards > 1 ? group_->rank() : 0;  // a shard, or this rank's full replicated copy
-    }
+    if (group_) first_ = c.shards > 1 ? group_->rank() : 0;  // a shard, or this rank's full replicated copy
     const PageLayout l = make_page_layout(c.kv_dtype, c.engine.page_size, c.shards);
     const int32_t n = group_ ? 1 : c.shards;
     for (int32_t r = 0; r < n; ++r) caches_.emplace_back(l, num_pages, 1, first_ + r);

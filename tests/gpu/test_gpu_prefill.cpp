@@ -264,6 +264,64 @@ TEST(GpuTpIndexer, EqualsCpuOnEveryPath) {
   }
 }
 
+// Rank indexers (make_cuda_rank_indexer, as under `indexcp launch`) on a DeviceGroup of one GPU:
+// they check first that the ranks were given the same config and cache size (config.hpp,
+// RankAgreement), naming what differs on every rank; ranks that agree equal the simulated group.
+TEST(GpuTpIndexer, RankIndexersAgreeFirstThenEqualTheSimulatedGroup) {
+  REQUIRE_GPU();
+  EngineParams e;
+  e.tp = 2;
+  e.page_size = 128;
+  e.query_len = 8;
+  const ResolvedConfig rc =
+      resolve_config(AttentionConfig::from_json(R"({"indexer_kv_dtype": "nvfp4", "indexer_cache_sharding": "on"})"), e);
+  auto s = prefill_scene(128, 203, true);
+  const int64_t n = static_cast<int64_t>(s.slots.size());
+  const auto q = int_q(static_cast<int64_t>(s.req.seq_lens.size()) * 8, 4, 7);
+  const DecodeBatch db = host_batch(s.req, q, 4, 8);
+  SelectionParams sel;
+  auto sim = make_tp_indexer("cuda", rc, s.req.num_pages);
+  sim->insert(s.keys.data(), s.slots.data(), n);
+  const auto want = sim->decode(db, sel);
+  std::vector<std::vector<int32_t>> got(2);
+  std::vector<int64_t> bytes(2);
+  cuda::run_device_ranks(2, [&](int r, Communicator& comm, cuda::Stream) {
+    auto ix = make_cuda_rank_indexer(rc, s.req.num_pages, comm);
+    bytes[r] = ix->cache_bytes_per_rank();
+    ix->insert(s.keys.data(), s.slots.data(), n);
+    got[r] = ix->decode(db, sel);
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(got[r], want) << "rank " << r;
+    EXPECT_EQ(bytes[r], sim->cache_bytes_per_rank());
+  }
+  // rank 1 started with another page size: neither rank makes its cache, both say what differs
+  e.page_size = 256;
+  const ResolvedConfig rc256 = resolve_config(rc.requested, e);
+  std::vector<std::string> msg(2);
+  cuda::run_device_ranks(2, [&](int r, Communicator& comm, cuda::Stream) {
+    try {
+      make_cuda_rank_indexer(r == 0 ? rc : rc256, s.req.num_pages, comm);
+    } catch (const Error& err) {
+      msg[r] = err.what();
+    }
+  });
+  for (int r = 0; r < 2; ++r)
+    for (const char* needle : {"disagree on page_size", "rank 0 has 128", "rank 1 has 256"})
+      EXPECT_NE(msg[r].find(needle), std::string::npos) << "rank " << r << ": '" << msg[r] << "'";
+  // the check on its own, on the ranks' streams: another cache size
+  cuda::run_device_ranks(2, [&](int r, Communicator& comm, cuda::Stream st) {
+    msg[r].clear();
+    try {
+      cuda::check_rank_agreement(comm, rc, r == 0 ? 40 : 41, st);
+    } catch (const Error& err) {
+      msg[r] = err.what();
+    }
+  });
+  for (int r = 0; r < 2; ++r) EXPECT_NE(msg[r].find("num_pages"), std::string::npos) << "rank " << r << ": '" << msg[r] << "'";
+  cuda::run_device_ranks(2, [&](int, Communicator& comm, cuda::Stream st) { cuda::check_rank_agreement(comm, rc, 40, st); });
+}
+
 // prefill_scores (the capturable scorer of prefill): on exact data its block scores equal the
 // CPU's score_blocks bit for bit (E4M3 keys), -Inf where no score exists, eagerly and replayed
 // from a CUDA graph; refusals name the argument.
