@@ -101,10 +101,10 @@ class CudaTpIndexer final : public TpIndexer {
   }
   ~CudaTpIndexer() override {
     if (stream_) {
-      // the communicator's bounded wait, not cudaStreamSynchronize: a collective whose peer died
-      // would never complete (the communicator aborts after its timeout and throws)
+      // the communicator's bounded wait before the stream's own (a collective whose peer died
+      // would never complete: the communicator aborts after its timeout and throws)
       try {
-        group_->synchronize(stream_);
+        wait_stream();
       } catch (...) {
       }
       cudaStreamDestroy(stream_);
@@ -267,16 +267,16 @@ class CudaTpIndexer final : public TpIndexer {
       cuda::detail::check(cudaEventRecord(ev_start_, stream_), "cudaEventRecord");
       fn(me, *group_, out.get(), reinterpret_cast<cuda::Stream>(stream_));
       cuda::detail::check(cudaEventRecord(ev_end_, stream_), "cudaEventRecord");
-      group_->synchronize(stream_);
+      wait_stream();
       cuda::detail::check(cudaEventElapsedTime(&busy_ms, ev_start_, ev_end_), "cudaEventElapsedTime");
       step_sent = group_->bytes_sent() - sent0;
       if (per_rank) group_->all_gather(out.get(), all_dev.get(), per_rank * sizeof(int32_t), stream_);
-      group_->synchronize(stream_);
+      wait_stream();
     } catch (...) {
       // work may still be queued on the stream (a collective whose peer failed): wait for it
       // through the communicator (bounded; it aborts on timeout) before the buffers are freed
       try {
-        group_->synchronize(stream_);
+        wait_stream();
       } catch (...) {
       }
       throw;
@@ -296,6 +296,14 @@ class CudaTpIndexer final : public TpIndexer {
       st->bytes_exchanged = static_cast<int64_t>(step_sent);
     }
     return all;
+  }
+
+  // Waits for this rank's stream: the communicator's bounded wait first (NCCL: a peer that died is
+  // reported after the timeout instead of blocking forever), then the stream itself (the wait of
+  // the in-process DeviceGroup is a no-op; after NCCL's it returns at once).
+  void wait_stream() {
+    group_->synchronize(stream_);
+    cuda::detail::check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (the rank's stream)");
   }
 
   // rank r's cache: simulated ranks keep one per rank (sharded) or one shared copy; a process
