@@ -2,6 +2,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <thread>
+#include <mutex>
+#include <condition_variable>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <nlohmann/json.hpp>
@@ -572,12 +576,34 @@ namespace {
 
 ResolvedConfig resolved(const std::string& j, int tp = 2, int P = 128) { return resolve_config(cfg(j), engine(tp, P)); }
 
-// Each rank's error message (empty: it returned) from check_rank_agreement over an in-process group.
+// Each rank's error message (empty: it returned) from check_rank_agreement over an in-process
+// group, one thread per rank. A watchdog aborts the group after 20 s, so that a rank left waiting
+// for one that never joined the exchange fails the test ("communicator aborted") instead of
+// hanging it.
 std::vector<std::string> agree(const std::vector<ResolvedConfig>& cs, const std::vector<int64_t>& pages) {
+  const int W = static_cast<int>(cs.size());
+  InProcessGroup g(W);
   std::vector<std::string> msg(cs.size());
-  run_ranks(static_cast<int>(cs.size()), [&](int r, Communicator& comm) {
-    msg[static_cast<size_t>(r)] = error_of([&] { check_rank_agreement(comm, cs[static_cast<size_t>(r)], pages[static_cast<size_t>(r)]); });
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < W; ++r)
+    ranks.emplace_back([&, r] {
+      msg[static_cast<size_t>(r)] =
+          error_of([&] { check_rank_agreement(g.comm(r), cs[static_cast<size_t>(r)], pages[static_cast<size_t>(r)]); });
+    });
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  std::thread watchdog([&] {
+    std::unique_lock<std::mutex> lk(mu);
+    if (!cv.wait_for(lk, std::chrono::seconds(20), [&] { return done; })) g.abort();
   });
+  for (auto& t : ranks) t.join();
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    done = true;
+  }
+  cv.notify_all();
+  watchdog.join();
   return msg;
 }
 
@@ -591,8 +617,18 @@ TEST(RankAgreement, EqualRecordsPassAndEachFieldIsNamedWhenItDiffers) {
   std::vector<RankAgreement> all = {a, a};
   EXPECT_NO_THROW(check_rank_agreement_records(all.data(), 2));
   EXPECT_NO_THROW(check_rank_agreement_records(all.data(), 1));
-  // the same effective config from another request (sharding asked for where it applies equally)
-  EXPECT_EQ(0, std::memcmp(&a, &all[1], sizeof(RankAgreement)));
+  // settings that have no effect in the configuration are not compared: fp8 without sharding
+  // ignores the prefill mode, the gather budget and the K rounding
+  const RankAgreement f1 = rank_agreement(resolved(R"({"indexer_kv_dtype": "fp8"})"), 9);
+  const RankAgreement f2 = rank_agreement(
+      resolved(R"({"indexer_kv_dtype": "fp8", "indexer_prefill_cp": "local_score", "indexer_k_rounding": "exact", "indexer_prefill_gather_budget_mib": 64})"),
+      9);
+  EXPECT_EQ(0, std::memcmp(&f1, &f2, sizeof(RankAgreement)));
+  // and local_score prefill ignores the gather budget
+  const RankAgreement l1 = rank_agreement(resolved(R"({"indexer_kv_dtype": "nvfp4", "indexer_cache_sharding": "on", "indexer_prefill_cp": "local_score"})"), 9);
+  const RankAgreement l2 = rank_agreement(resolved(R"({"indexer_kv_dtype": "nvfp4", "indexer_cache_sharding": "on", "indexer_prefill_cp": "local_score", "indexer_prefill_gather_budget_mib": 8})"), 9);
+  EXPECT_EQ(0, std::memcmp(&l1, &l2, sizeof(RankAgreement)));
+  for (int f = RankAgreement::kFieldsUsed; f < RankAgreement::kFields; ++f) EXPECT_EQ(a.v[f], 0) << "field " << f;
   struct Case {
     ResolvedConfig other;
     int64_t pages;
@@ -611,7 +647,7 @@ TEST(RankAgreement, EqualRecordsPassAndEachFieldIsNamedWhenItDiffers) {
       {resolved(R"({"indexer_kv_dtype": "nvfp4", "indexer_cache_sharding": "on", "indexer_k_rounding": "exact"})"), 100,
        {"indexer_k_rounding", "rank 0 has e4m3", "rank 1 has exact"}},
       {resolved(R"({"indexer_kv_dtype": "nvfp4", "indexer_cache_sharding": "on", "indexer_prefill_gather_budget_mib": 64})"), 100,
-       {"prefill_gather_budget_bytes", "rank 0 has 268435456", "rank 1 has 67108864"}},
+       {"indexer_prefill_gather_budget_mib", "rank 0 has 256", "rank 1 has 64"}},
       {base, 101, {"num_pages", "rank 0 has 100", "rank 1 has 101"}},
   };
   for (const auto& c : cases) {
@@ -634,7 +670,12 @@ TEST(RankAgreement, RecordsOfAnotherBuildOrOfARefusingRankAndBadArguments) {
   RankAgreement other = a;
   other.v[0] += 1;  // another version of the record
   std::vector<RankAgreement> v = {a, other};
-  expect_error([&] { check_rank_agreement_records(v.data(), 2); }, {"rank 1", "another indexcp build"});
+  expect_error([&] { check_rank_agreement_records(v.data(), 2); },
+               {"rank 1", "version 2 of the agreement record, this build's is 1", "same indexcp on every rank"});
+  other.v[0] = 12345;  // not a record of ours
+  v = {other, a};
+  expect_error([&] { check_rank_agreement_records(v.data(), 2); }, {"rank 0", "no indexcp agreement record"});
+  v = {a, a};
   v[1] = RankAgreement{};  // zeros: that rank refused its own inputs
   expect_error([&] { check_rank_agreement_records(v.data(), 2); }, {"rank 1", "refused its own configuration"});
   expect_error([&] { check_rank_agreement_records(v.data(), 0); }, {"world = 0"});

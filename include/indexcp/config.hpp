@@ -74,37 +74,45 @@ ResolvedConfig resolve_config(const AttentionConfig& config, const EngineParams&
 void check_resolved_config(const ResolvedConfig& c);
 
 /// What the ranks of one TP group must agree on before their first collective: the effective
-/// configuration and the cache's page count, as a fixed-size record (every field int64, the same
-/// bytes on every build of this version) that the ranks all-gather once, when a rank's indexer is
-/// made (make_cuda_rank_indexer; engines that call the collective functions themselves use
-/// check_rank_agreement of tp_group.hpp or cuda.hpp once after forming the group). Two ranks
-/// started with different settings (an engine that launches its own processes, one with another
-/// --block-size or indexer_kv_dtype) would otherwise merge candidates of different keys, or wait
-/// in collectives of different sizes until the communicator's timeout. Per-step calls do not check
-/// again (it would cost a collective per step). Fields, in order (kRankAgreementFields names):
-/// record version, tp, page_size, indexer_kv_dtype, effective indexer_cache_sharding, effective
-/// indexer_decode_cp, indexer_prefill_cp, indexer_k_rounding, prefill_gather_budget_bytes,
-/// num_pages. Not compared: the heads and query length of EngineParams (each batch carries its
-/// own), notes, and p256_stock_decode (its two scorers give identical bits).
+/// configuration and the cache's page count, as a fixed-size record of 128 bytes (16 int64; every
+/// later version of the record keeps this size, so ranks of different builds still exchange the
+/// same byte count and the version field tells them apart). The ranks all-gather it once, when a
+/// rank's indexer is made (make_cuda_rank_indexer; engines that call the collective functions
+/// themselves use check_rank_agreement of tp_group.hpp or cuda.hpp once after forming the
+/// group). Two ranks started with different settings (an engine that launches its own processes,
+/// one with another --block-size or indexer_kv_dtype) would otherwise merge candidates of
+/// different keys, or wait in collectives of different sizes until the communicator's timeout.
+/// Per-step calls do not check again (it would cost a collective per step).
+/// Fields (kFieldsUsed of them, the rest zero), in order: record version, tp, page_size,
+/// indexer_kv_dtype, effective indexer_cache_sharding, effective indexer_decode_cp, then what
+/// applies: indexer_prefill_cp (with sharding; else 0), indexer_k_rounding (nvfp4; else 0),
+/// indexer_prefill_gather_budget_mib (sharding with gather; else 0), num_pages. A setting that
+/// has no effect in the rank's configuration is not compared. Never compared: the heads and query
+/// length of EngineParams (each batch carries its own), notes, and p256_stock_decode (its two
+/// scorers give identical bits).
 struct RankAgreement {
-  static constexpr int kFields = 10;
+  static constexpr int kFields = 16, kFieldsUsed = 10;
   int64_t v[kFields] = {};
 };
+static_assert(sizeof(RankAgreement) == 128, "RankAgreement: 128 bytes in every version");
 /// The record of one rank: `config` as resolve_config gives it (check_resolved_config), and
 /// `num_pages` > 0 (else Error naming num_pages).
 RankAgreement rank_agreement(const ResolvedConfig& config, int64_t num_pages);
 /// all: `world` records, rank p's at all[p] (what an all-gather of each rank's record returns).
 /// Returns when they are equal; otherwise throws Error (kInvalidArgument) naming the first field
-/// that differs and the two ranks' values, e.g. "the ranks of the TP group disagree on page_size:
-/// rank 0 has 128, rank 1 has 256 ...". A record of another version (another indexcp build on
-/// that rank) is refused as such. world < 1 or a null `all` is an Error naming it.
+/// that differs and the two ranks' values, e.g. "the ranks of the TP group disagree on
+/// page_size: rank 0 has 128, rank 1 has 256 ...". A record of all zeros (a rank that refused
+/// its own inputs) names that rank; a record of another version (another indexcp build) is
+/// refused as such. world < 1 or a null `all` is an Error naming it.
 void check_rank_agreement_records(const RankAgreement* all, int world);
 
 namespace detail {
 /// The exchange behind both check_rank_agreement functions: builds this rank's record (a rank
-/// whose own config, cache size or world fails its checks sends a record of zeros, so that the
-/// others learn it refused instead of waiting for it, then rethrows its own error), all-gathers
-/// the records with `all_gather(send, recv)` (recv: world records) and checks them.
+/// whose own config, cache size or world fails its checks, or that cannot build the record at all,
+/// sends a record of zeros, so that the others learn it refused instead of waiting for it, then
+/// rethrows its own error), all-gathers the records with `all_gather(send, recv)` (recv: world
+/// records) and checks them. A failure inside `all_gather` itself (an allocation or a copy on the
+/// device) leaves the other ranks in the collective until the communicator's timeout.
 void exchange_rank_agreement(const ResolvedConfig& config, int64_t num_pages, int world,
                              const std::function<void(const RankAgreement* send, RankAgreement* recv)>& all_gather);
 }  // namespace detail

@@ -153,9 +153,10 @@ void prefill_scores(const DeviceCache& cache, int32_t layer, const PrefillBatch&
 /// indexcp::check_rank_agreement (tp_group.hpp) for a communicator on device buffers (NCCL,
 /// DeviceGroup): every rank calls it once with its own config and cache size, before its first
 /// collective call below; make_cuda_rank_indexer does. Uploads the rank's record (config.hpp,
-/// RankAgreement, 80 bytes) on `stream`, all-gathers it through comm, waits with
+/// RankAgreement, 128 bytes) on `stream`, all-gathers it through comm, waits with
 /// comm.synchronize(stream) and checks the records on the host. Errors as the host version; a
-/// communicator failure (a dead peer) is comm's Error.
+/// communicator failure (a dead peer) is comm's Error; an allocation or copy failure inside leaves
+/// the other ranks in the collective until the communicator's timeout.
 void check_rank_agreement(Communicator& comm, const ResolvedConfig& config, int64_t num_pages, Stream stream);
 
 /// ICP decode over a sharded cache: score all heads over this rank's rows, publish, all-gather

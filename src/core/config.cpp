@@ -214,21 +214,25 @@ void check_resolved_config(const ResolvedConfig& c) {
 namespace {
 
 // "icpa" and the record's version: a rank of another build (another field list) is refused as such
-constexpr int64_t kRankAgreementVersion = (int64_t{0x69637061} << 32) | 1;
-constexpr const char* kRankAgreementNames[RankAgreement::kFields] = {
+constexpr int64_t kRankAgreementMagic = 0x69637061;
+constexpr int64_t kRankAgreementVersion = (kRankAgreementMagic << 32) | 1;
+constexpr const char* kRankAgreementNames[RankAgreement::kFieldsUsed] = {
     "the agreement record's version", "tp", "page_size", "indexer_kv_dtype", "indexer_cache_sharding (effective)",
-    "indexer_decode_cp (effective)", "indexer_prefill_cp", "indexer_k_rounding", "prefill_gather_budget_bytes",
+    "indexer_decode_cp (effective)", "indexer_prefill_cp", "indexer_k_rounding", "indexer_prefill_gather_budget_mib",
     "num_pages (index cache pages per rank)"};
 
-// field f's value as the user set it: an enum by name, a switch as on / off
-std::string agreement_value(int f, int64_t v) {
+// field f's value as the user set it: an enum by name, a switch as on / off; a setting that does
+// not apply to the rank's configuration was stored as 0 and reads "n/a" where 0 is not a value
+std::string agreement_value(int f, int64_t v, const RankAgreement& r) {
   const auto in = [&](int64_t lo, int64_t hi) { return v >= lo && v <= hi; };
+  const bool sharded = r.v[4] == 1, nvfp4 = r.v[3] == static_cast<int64_t>(KvDtype::kNvfp4);
   switch (f) {
     case 3: return in(0, 2) ? to_string(static_cast<KvDtype>(v)) : std::to_string(v);
     case 4:
     case 5: return in(0, 1) ? (v ? "on" : "off") : std::to_string(v);
-    case 6: return in(0, 1) ? to_string(static_cast<PrefillCp>(v)) : std::to_string(v);
-    case 7: return in(0, 1) ? to_string(static_cast<KRounding>(v)) : std::to_string(v);
+    case 6: return !sharded ? "n/a (sharding off)" : in(0, 1) ? to_string(static_cast<PrefillCp>(v)) : std::to_string(v);
+    case 7: return !nvfp4 ? "n/a (not nvfp4)" : in(0, 1) ? to_string(static_cast<KRounding>(v)) : std::to_string(v);
+    case 8: return v == 0 ? "n/a (no gather prefill)" : std::to_string(v);
     default: return std::to_string(v);
   }
 }
@@ -245,9 +249,10 @@ RankAgreement rank_agreement(const ResolvedConfig& c, int64_t num_pages) {
   r.v[3] = static_cast<int64_t>(c.kv_dtype);
   r.v[4] = c.sharding;
   r.v[5] = c.decode_cp;
-  r.v[6] = static_cast<int64_t>(c.prefill_cp);
-  r.v[7] = static_cast<int64_t>(c.k_rounding);
-  r.v[8] = c.prefill_gather_budget_bytes;
+  // settings that have no effect in this configuration are not compared (0)
+  r.v[6] = c.sharding ? static_cast<int64_t>(c.prefill_cp) : 0;
+  r.v[7] = c.kv_dtype == KvDtype::kNvfp4 ? static_cast<int64_t>(c.k_rounding) : 0;
+  r.v[8] = c.sharding && c.prefill_cp == PrefillCp::kGather ? c.prefill_gather_budget_bytes >> 20 : 0;
   r.v[9] = num_pages;
   return r;
 }
@@ -261,18 +266,22 @@ void check_rank_agreement_records(const RankAgreement* all, int world) {
                                                    " of the TP group refused its own configuration, cache size or "
                                                    "communicator (its own error says why)");
   for (int p = 0; p < world; ++p)
-    if (all[p].v[0] != kRankAgreementVersion)
-      throw Error(ErrorCode::kInvalidArgument,
-                  "rank " + std::to_string(p) + " of the TP group sent an agreement record of another indexcp build (" +
-                      std::to_string(all[p].v[0]) + ", this build's is " + std::to_string(kRankAgreementVersion) +
-                      "); run the same indexcp on every rank");
-  for (int f = 1; f < RankAgreement::kFields; ++f)
+    if (all[p].v[0] != kRankAgreementVersion) {
+      const int64_t v = all[p].v[0];
+      const std::string what = (v >> 32) == kRankAgreementMagic
+                                   ? "version " + std::to_string(v & 0xffffffff) + " of the agreement record, this build's is " +
+                                         std::to_string(kRankAgreementVersion & 0xffffffff)
+                                   : "no indexcp agreement record";
+      throw Error(ErrorCode::kInvalidArgument, "rank " + std::to_string(p) + " of the TP group sent " + what +
+                                                   " (another indexcp build?); run the same indexcp on every rank");
+    }
+  for (int f = 1; f < RankAgreement::kFieldsUsed; ++f)
     for (int p = 1; p < world; ++p)
       if (all[p].v[f] != all[0].v[f])
         throw Error(ErrorCode::kInvalidArgument,
                     std::string("the ranks of the TP group disagree on ") + kRankAgreementNames[f] + ": rank 0 has " +
-                        agreement_value(f, all[0].v[f]) + ", rank " + std::to_string(p) + " has " +
-                        agreement_value(f, all[p].v[f]) +
+                        agreement_value(f, all[0].v[f], all[0]) + ", rank " + std::to_string(p) + " has " +
+                        agreement_value(f, all[p].v[f], all[p]) +
                         "; every rank needs the same attention config, engine parameters and number of index cache "
                         "pages");
 }
@@ -289,7 +298,7 @@ void exchange_rank_agreement(const ResolvedConfig& c, int64_t num_pages, int wor
                                               ") differs from the configuration's tp (" +
                                               std::to_string(c.engine.tp) + ")");
     mine = rank_agreement(c, num_pages);
-  } catch (const Error&) {
+  } catch (...) {  // whatever it is, the others must not wait for this rank
     own = std::current_exception();
   }
   std::vector<RankAgreement> all(static_cast<std::size_t>(world));

@@ -68,50 +68,39 @@ class CudaTpIndexer final : public TpIndexer {
  public:
   // group == nullptr: every rank simulated here; else this process is rank group->rank().
   CudaTpIndexer(const ResolvedConfig& c, int64_t num_pages, Communicator* group) : cfg_(c), group_(group) {
-    // a rank of a group checks, before anything else, that the others were given the same config
-    // and cache size (it checks its own config there too; on the legacy stream: nothing else is
-    // made yet)
-    if (group_) cuda::check_rank_agreement(*group_, c, num_pages, nullptr);
-    else check_resolved_config(c);
-    if (c.kv_dtype == KvDtype::kBf16)
-      throw Error(ErrorCode::kUnsupported,
-                  "indexer_kv_dtype = bf16 is not supported by --backend cuda (use fp8 or nvfp4, or --backend cpu)");
-    if (group_) first_ = c.shards > 1 ? group_->rank() : 0;  // a shard, or this rank's full replicated copy
-    const PageLayout l = make_page_layout(c.kv_dtype, c.engine.page_size, c.shards);
-    const int32_t n = group_ ? 1 : c.shards;
-    for (int32_t r = 0; r < n; ++r) caches_.emplace_back(l, num_pages, 1, first_ + r);
-    if (group_) {
-      // a blocking stream: its work waits for the legacy stream's (the cache's zero fill, the
-      // batch uploads by cudaMemcpy, which may return before a pageable copy has landed)
-      // all three or none (a failure part way releases what was made: the destructor does not run)
-      cudaStream_t s = nullptr;
-      cudaEvent_t e0 = nullptr, e1 = nullptr;
-      cudaError_t err = cudaStreamCreate(&s);
-      if (err == cudaSuccess) err = cudaEventCreate(&e0);
-      if (err == cudaSuccess) err = cudaEventCreate(&e1);
-      if (err != cudaSuccess) {
-        if (e0) cudaEventDestroy(e0);
-        if (s) cudaStreamDestroy(s);
-        cuda::detail::check(err, "cudaStreamCreate / cudaEventCreate (the rank's stream and timing events)");
-      }
-      stream_ = s;
-      ev_start_ = e0;
-      ev_end_ = e1;
+    if (!group_) {
+      check_resolved_config(c);
+      make_caches(c, num_pages);
+      return;
+    }
+    // a rank of a group: its stream and timing events, then, before anything else, the check that
+    // the other ranks were given the same config and cache size (it checks this rank's own config
+    // too), then its cache. The destructor does not run when the constructor throws: release().
+    // A blocking stream: its work waits for the legacy stream's (the cache's zero fill, the batch
+    // uploads by cudaMemcpy, which may return before a pageable copy has landed).
+    cudaStream_t s = nullptr;
+    cudaEvent_t e0 = nullptr, e1 = nullptr;
+    cudaError_t err = cudaStreamCreate(&s);
+    if (err == cudaSuccess) err = cudaEventCreate(&e0);
+    if (err == cudaSuccess) err = cudaEventCreate(&e1);
+    if (err != cudaSuccess) {  // all three or none
+      if (e0) cudaEventDestroy(e0);
+      if (s) cudaStreamDestroy(s);
+      cuda::detail::check(err, "cudaStreamCreate / cudaEventCreate (the rank's stream and timing events)");
+    }
+    stream_ = s;
+    ev_start_ = e0;
+    ev_end_ = e1;
+    try {
+      cuda::check_rank_agreement(*group_, c, num_pages, reinterpret_cast<cuda::Stream>(stream_));
+      first_ = c.shards > 1 ? group_->rank() : 0;  // a shard, or this rank's full replicated copy
+      make_caches(c, num_pages);
+    } catch (...) {
+      release();
+      throw;
     }
   }
-  ~CudaTpIndexer() override {
-    if (stream_) {
-      // the communicator's bounded wait before the stream's own (a collective whose peer died
-      // would never complete: the communicator aborts after its timeout and throws)
-      try {
-        wait_stream();
-      } catch (...) {
-      }
-      cudaStreamDestroy(stream_);
-      cudaEventDestroy(ev_start_);
-      cudaEventDestroy(ev_end_);
-    }
-  }
+  ~CudaTpIndexer() override { release(); }
   CudaTpIndexer(const CudaTpIndexer&) = delete;
   CudaTpIndexer& operator=(const CudaTpIndexer&) = delete;
   std::string backend() const override { return "cuda"; }
@@ -296,6 +285,32 @@ class CudaTpIndexer final : public TpIndexer {
       st->bytes_exchanged = static_cast<int64_t>(step_sent);
     }
     return all;
+  }
+
+  // bf16 is refused; simulated ranks keep one cache per shard (or one replicated copy), a rank of
+  // a group only its own
+  void make_caches(const ResolvedConfig& c, int64_t num_pages) {
+    if (c.kv_dtype == KvDtype::kBf16)
+      throw Error(ErrorCode::kUnsupported,
+                  "indexer_kv_dtype = bf16 is not supported by --backend cuda (use fp8 or nvfp4, or --backend cpu)");
+    const PageLayout l = make_page_layout(c.kv_dtype, c.engine.page_size, c.shards);
+    const int32_t n = group_ ? 1 : c.shards;
+    for (int32_t r = 0; r < n; ++r) caches_.emplace_back(l, num_pages, 1, first_ + r);
+  }
+
+  // The rank's stream and events (rank mode), after the communicator's bounded wait and the
+  // stream's own (a collective whose peer died would never complete: the communicator aborts
+  // after its timeout and throws, and the stream is then released without waiting).
+  void release() noexcept {
+    if (!stream_) return;
+    try {
+      wait_stream();
+    } catch (...) {
+    }
+    cudaStreamDestroy(stream_);
+    cudaEventDestroy(ev_start_);
+    cudaEventDestroy(ev_end_);
+    stream_ = nullptr;
   }
 
   // Waits for this rank's stream: the communicator's bounded wait first (NCCL: a peer that died is
