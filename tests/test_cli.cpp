@@ -671,13 +671,18 @@ int visible_gpus(const fs::path& dir) {
   return gpus;
 }
 
+// Why a two-process test cannot run here ("" when 2 GPUs are visible); removes the test's
+// directory d when it cannot.
+std::string two_gpus_missing(const fs::path& d) {
+  const int gpus = visible_gpus(d);
+  if (gpus >= 2) return "";
+  fs::remove_all(d);
+  return "needs 2 GPUs; " + std::to_string(gpus) + " visible";
+}
+
 TEST(Cli, BenchDecodeAcrossTwoProcesses) {
   const fs::path d = temp_dir();
-  const int gpus = visible_gpus(d);
-  if (gpus < 2) {
-    fs::remove_all(d);
-    GTEST_SKIP() << "needs 2 GPUs; " << gpus << " visible";
-  }
+  if (const std::string why = two_gpus_missing(d); !why.empty()) GTEST_SKIP() << why;
   const Result r = run(std::string("launch --tp 2 --timeout 120 --report ") + q(d / "report.json") + " -- '" + INDEXCP_CLI_PATH +
                            "' bench decode --tp 2 --requests 2 --contexts 2048 --pages 128,256 --replays 3 --repeats 1 "
                            "-q --out " + q(d / "rec.json"),
@@ -735,11 +740,7 @@ TEST(Cli, RunAsARankRefusesWhatCannotRunAcrossProcesses) {
 // every selection), the same payload sizes and cache bytes; sharded equals replicated throughout.
 TEST(Cli, RunAcrossTwoProcessesEqualsTheSimulatedRun) {
   const fs::path d = temp_dir();
-  const int gpus = visible_gpus(d);
-  if (gpus < 2) {
-    fs::remove_all(d);
-    GTEST_SKIP() << "needs 2 GPUs; " << gpus << " visible";
-  }
+  if (const std::string why = two_gpus_missing(d); !why.empty()) GTEST_SKIP() << why;
   const std::string job =
       "run --synthetic --requests 2 --tokens 4096 --prefill-tokens 64 --steps 2 --query-len 4 --kv-dtype nvfp4,fp8 "
       "--page-size 128,256 -q --json ";
@@ -789,11 +790,7 @@ TEST(Cli, RunAcrossTwoProcessesEqualsTheSimulatedRun) {
 // caches or waiting in collectives of different sizes.
 TEST(Cli, RunAcrossTwoProcessesRefusesRanksThatDisagree) {
   const fs::path d = temp_dir();
-  const int gpus = visible_gpus(d);
-  if (gpus < 2) {
-    fs::remove_all(d);
-    GTEST_SKIP() << "needs 2 GPUs; " << gpus << " visible";
-  }
+  if (const std::string why = two_gpus_missing(d); !why.empty()) GTEST_SKIP() << why;
   // rank r runs with --page-size 128 << r
   const std::string job = "run --synthetic --requests 1 --tokens 2048 --prefill-tokens 16 --steps 1 --query-len 4 "
                           "--kv-dtype nvfp4 --sharding on -q --page-size $((128 << INDEXCP_RANK))";
