@@ -1,16 +1,16 @@
 // Attention config, policy, resolved configuration and capacity (spec/config.md sections 1-3).
 #include <gtest/gtest.h>
 
-#include <cmath>
-#include <thread>
-#include <mutex>
-#include <condition_variable>
 #include <chrono>
+#include <cmath>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "indexcp/capacity.hpp"
