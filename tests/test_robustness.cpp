@@ -294,16 +294,13 @@ TEST(Robustness, HandEditedResolvedConfigIsRefused) {
 
 TEST(Robustness, HugeCountsAreRefusedByName) {
   Stored st;
-  auto& caches = st.caches;
-  auto& keys = st.keys;
-  auto& slots = st.slots;
   const std::vector<uint8_t> before = st.bytes();
   // std::bad_array_new_length escaped; the bf16 variant said "keys is null" (num_tokens * 128 wrapped)
-  expect_error([&] { insert_keys(caches[0], 0, keys.data(), slots.data(), INT64_MAX); }, "num_tokens = 9223372036854775807");
+  expect_error([&] { insert_keys(st.caches[0], 0, st.keys.data(), st.slots.data(), INT64_MAX); }, "num_tokens = 9223372036854775807");
   std::vector<uint16_t> kb(128);
-  expect_error([&] { insert_keys_bf16(caches[0], 0, kb.data(), slots.data(), int64_t{1} << 57); }, "num_tokens");
+  expect_error([&] { insert_keys_bf16(st.caches[0], 0, kb.data(), st.slots.data(), int64_t{1} << 57); }, "num_tokens");
   std::vector<uint8_t> qo(128);
-  expect_error([&] { quantize_queries(keys.data(), int64_t{1} << 60, 64, {}, qo.data()); }, "num_tokens");
+  expect_error([&] { quantize_queries(st.keys.data(), int64_t{1} << 60, 64, {}, qo.data()); }, "num_tokens");
   EXPECT_EQ(st.bytes(), before);
   // a huge num_requests reaches the check of seq_lens[0] (it failed to allocate its rows first)
   std::vector<int32_t> lens = {-1}, bt = {0};
@@ -317,27 +314,24 @@ TEST(Robustness, HugeCountsAreRefusedByName) {
 
 TEST(Robustness, PreprocessParametersAreNamed) {
   Stored st;
-  auto& caches = st.caches;
-  auto& keys = st.keys;
-  auto& slots = st.slots;
   const std::vector<uint8_t> before = st.bytes();
   const std::vector<float> w(128, 0.5f);
-  const std::vector<int64_t> pos(keys.size() / 128, 0);
-  std::vector<uint8_t> qo(keys.size());
+  const std::vector<int64_t> pos(st.keys.size() / 128, 0);
+  std::vector<uint8_t> qo(st.keys.size());
   for (float eps : {std::nanf(""), -10.0f, INFINITY}) {
     InsertOptions o;
     o.pre.norm_weight = w.data();
     o.pre.eps = eps;
-    expect_error([&] { insert_keys(caches[0], 0, keys.data(), slots.data(), 1, o); }, "eps = ");
-    expect_error([&] { quantize_queries(keys.data(), 1, 1, o.pre, qo.data()); }, "eps = ");
+    expect_error([&] { insert_keys(st.caches[0], 0, st.keys.data(), st.slots.data(), 1, o); }, "eps = ");
+    expect_error([&] { quantize_queries(st.keys.data(), 1, 1, o.pre, qo.data()); }, "eps = ");
   }
   for (double theta : {0.0, -1.0, std::nan(""), HUGE_VAL}) {
     InsertOptions o;
     o.pre.rope = true;
     o.pre.rope_theta = theta;
     o.pre.positions = pos.data();
-    expect_error([&] { insert_keys(caches[0], 0, keys.data(), slots.data(), 1, o); }, "rope_theta = ");
-    expect_error([&] { quantize_queries(keys.data(), 1, 1, o.pre, qo.data()); }, "rope_theta = ");
+    expect_error([&] { insert_keys(st.caches[0], 0, st.keys.data(), st.slots.data(), 1, o); }, "rope_theta = ");
+    expect_error([&] { quantize_queries(st.keys.data(), 1, 1, o.pre, qo.data()); }, "rope_theta = ");
   }
   EXPECT_EQ(st.bytes(), before);
 }
