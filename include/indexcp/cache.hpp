@@ -1,10 +1,16 @@
 // indexcp: the paged index cache (host memory) and insert (spec/indexer.md section 6).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
+#include "indexcp/cache_view.hpp"
+#include "indexcp/error.hpp"
 #include "indexcp/layout.hpp"
+
+// cudaStream_t without the CUDA runtime headers (the CPU calls take one and ignore it).
+struct CUstream_st;
 
 namespace indexcp {
 
@@ -38,6 +44,10 @@ class IndexCache {
   uint8_t* data() { return bytes_.data(); }
   const uint8_t* data() const { return bytes_.data(); }
 
+  /// A host view of every layer of this cache (shallow: writes through it change this cache).
+  CacheView view() const;
+  operator CacheView() const { return view(); }  // NOLINT: owners convert to views implicitly
+
  private:
   PageLayout layout_;
   int64_t num_pages_;
@@ -55,7 +65,20 @@ struct KeyPreprocess {
   bool rope = false;                   ///< apply partial NeoX RoPE (needs positions)
   double rope_theta = 5e6;
   const int64_t* positions = nullptr;  ///< [num_tokens] absolute positions, for RoPE
+  /// The asynchronous calls (insert_keys_async, quantize_queries_async) read cos/sin from this
+  /// table instead of computing them: fp32 [rope_table_positions, 64], row p = cos of pairs 0..31
+  /// then sin of pairs 0..31 at position p (fill_rope_table; rope_theta is then not read). A
+  /// position outside [0, rope_table_positions) refuses the batch. The synchronous calls ignore it.
+  const float* rope_cos_sin = nullptr;
+  int64_t rope_table_positions = 0;
 };
+
+/// Fills `out` (host, fp32 [num_positions, 64]) with the RoPE table of indexer.md section 6:
+/// out[p * 64 + i] = (float)cos(p * theta^(-2i/64)), out[p * 64 + 32 + i] = (float)sin(...), in
+/// double precision, exactly the values the synchronous insert computes per token. Throws Error
+/// naming num_positions (1..2^31) or rope_theta (finite, > 0). (cuda::fill_rope_table fills a
+/// device table.)
+void fill_rope_table(float* out, int64_t num_positions, double rope_theta);
 
 /// Throws Error (kInvalidArgument) naming the field unless eps is finite and >= 0 (when
 /// norm_weight is set), rope_theta finite and > 0 and positions not null (when rope is on). The
@@ -83,7 +106,9 @@ inline constexpr int64_t kMaxTokensPerCall = int64_t{1} << 32;
 /// Throws Error (kInvalidArgument) naming num_tokens unless 0 <= num_tokens <= kMaxTokensPerCall.
 void check_num_tokens(int64_t num_tokens);
 
-/// Quantizes and writes `num_tokens` keys into `cache` (spec/indexer.md section 6).
+/// Quantizes and writes `num_tokens` keys into `cache` (a host view; spec/indexer.md section 6).
+/// Synchronous and validating: the tools' and tests' form (insert_keys_async below is the
+/// engine's).
 ///
 /// keys: fp32 [num_tokens, 128]; slot_mapping: int64 [num_tokens], slot = page * P + offset, -1
 /// skips the token. With a sharded cache only tokens whose page offset this rank owns are
@@ -91,11 +116,11 @@ void check_num_tokens(int64_t num_tokens);
 /// Errors (Error, nothing of the batch written): layer out of range; slot_mapping[i] outside
 /// [-1, num_pages * P) or duplicated; key of token i holding NaN/Inf (after pre-processing);
 /// encode_scale not finite and > 0; RoPE without positions.
-void insert_keys(IndexCache& cache, int32_t layer, const float* keys,
+void insert_keys(const CacheView& cache, int32_t layer, const float* keys,
                  const int64_t* slot_mapping, int64_t num_tokens, const InsertOptions& opts = {});
 
 /// Same as insert_keys with bf16 keys (uint16 bit patterns, [num_tokens, 128]).
-void insert_keys_bf16(IndexCache& cache, int32_t layer, const uint16_t* keys,
+void insert_keys_bf16(const CacheView& cache, int32_t layer, const uint16_t* keys,
                       const int64_t* slot_mapping, int64_t num_tokens,
                       const InsertOptions& opts = {});
 
@@ -105,12 +130,12 @@ std::vector<uint8_t> quantize_key_bytes(KvDtype dtype, const float* key, float e
 
 /// Reads the row bytes (same form as quantize_key_bytes) of local row `row` of physical page
 /// `page` of `layer`. Throws Error on out-of-range arguments.
-std::vector<uint8_t> read_row_bytes(const IndexCache& cache, int32_t layer, int64_t page,
+std::vector<uint8_t> read_row_bytes(const CacheView& cache, int32_t layer, int64_t page,
                                     int32_t row);
 
 /// Dequantized k_hat (indexer.md section 2) of local row `row` of a page; `out` [128] fp32.
 /// `mode` applies to NVFP4 only.
-void read_row_khat(const IndexCache& cache, int32_t layer, int64_t page, int32_t row,
+void read_row_khat(const CacheView& cache, int32_t layer, int64_t page, int32_t row,
                    KRounding mode, float* out);
 
 /// Casts index queries to E4M3 (formats.md section 5): q fp32 [n, 128] -> out uint8 [n, 128],
@@ -118,5 +143,86 @@ void read_row_khat(const IndexCache& cache, int32_t layer, int64_t page, int32_t
 /// vectors per token. Throws Error naming q if it holds NaN.
 void quantize_queries(const float* q, int64_t num_tokens, int32_t heads, const KeyPreprocess& pre,
                       uint8_t* out);
+
+// ---------------------------------------------------------------------------------------------
+// Asynchronous insert and index-Q cast (docs/embedding.md): the engine's form. The CUDA backend
+// (cuda.hpp) enqueues them on the caller's stream with no host synchronization and no allocation,
+// so that they can be captured in a CUDA graph; these CPU versions take the same arguments (host
+// pointers; the stream is ignored) so that one engine code path runs on either backend.
+
+/// Why a batch was refused (InsertStatus::reason). The order is the order of the checks for one
+/// token: the first refused token of a batch is reported with its first failing check.
+enum class InsertRefusal : int32_t {
+  kNone = 0,
+  kSlotOutOfRange = 1,        ///< slot_mapping[token] outside [-1, num_pages * P); value = slot
+  kDuplicateSlot = 2,         ///< slot_mapping[token] repeats an earlier token's; value = slot
+  kNonFiniteKey = 3,          ///< key holds NaN/Inf; dim and key_value say where and what
+  kPositionOutOfTable = 4,    ///< positions[token] outside the RoPE table; value = position
+  kNonFiniteAfterPreprocess = 5,  ///< non-finite after RMSNorm/RoPE; dim says where
+  kQueryNaN = 6,              ///< q holds NaN (Q cast); head and dim say where
+  kQueryNaNAfterPreprocess = 7,  ///< q is NaN after RMSNorm/RoPE (Q cast); head and dim say where
+};
+/// "none", "slot out of range", ... (for logs).
+const char* to_string(InsertRefusal r);
+
+/// The status an asynchronous insert or Q cast writes: 64 bytes of caller-owned memory (device
+/// memory for the CUDA backend, host for the CPU), zero-filled once by the caller (or by
+/// reset_status / cuda::reset_status). It is sticky, as an engine wants it: the first refused
+/// call's details stay until the caller resets it, later calls are still validated and written on
+/// their own merits, and `refused_calls` / `refused_tokens` add up. A refused call writes nothing.
+struct InsertStatus {
+  int32_t reason = 0;          ///< InsertRefusal of the first refused call; 0 while none was
+  int32_t layer = -1;          ///< its layer (-1 for a Q cast)
+  int64_t token = -1;          ///< its first refused token (index into the call's batch)
+  int64_t value = 0;           ///< the slot or position (kSlotOutOfRange, kDuplicateSlot, ...)
+  int32_t dim = -1;            ///< the dimension (kNonFiniteKey, kNonFiniteAfterPreprocess, kQueryNaN)
+  int32_t head = -1;           ///< the head (kQueryNaN)
+  float key_value = 0.0f;      ///< the non-finite input value (kNonFiniteKey)
+  int32_t heads = 0;           ///< heads of the refused Q cast
+  int64_t num_slots = 0;       ///< num_pages * P of the refused insert's cache (kSlotOutOfRange)
+  int64_t refused_calls = 0;   ///< calls refused since the last reset
+  int64_t refused_tokens = 0;  ///< tokens refused since the last reset (a token counts once per call)
+  uint64_t scratch = 0;        ///< the library's per-call word; do not read
+};
+static_assert(sizeof(InsertStatus) == 72, "InsertStatus is part of the ABI");
+
+/// Zero-fills a host status (the CPU backend's).
+void reset_status(InsertStatus* status);
+/// The Error that the synchronous call would have thrown for the first refusal recorded in
+/// `status` (a host copy), with the same message; nullptr-free: status.reason == 0 returns an
+/// Error of code kRuntime saying nothing was refused (call it only when reason != 0).
+Error status_error(const InsertStatus& status);
+/// Throws status_error(status) when status.reason != 0.
+void throw_if_refused(const InsertStatus& status);
+
+/// Bytes of workspace insert_keys_async needs for up to `max_tokens` tokens (either backend; 0
+/// tokens need 0 bytes). The CUDA size includes the duplicate-slot sort's temporary storage.
+/// Throws Error naming max_tokens outside 0..kMaxTokensPerCall.
+size_t insert_workspace_bytes(int64_t max_tokens);
+
+/// Quantizes and writes keys (fp32 [num_tokens, 128]) at slot_mapping (int64 [num_tokens]), as
+/// insert_keys, without throwing for a bad token: a batch holding one (slot out of range,
+/// duplicate slot, non-finite key, position outside the RoPE table, non-finite after RMSNorm /
+/// RoPE) writes nothing and is recorded in *status. RoPE (opts.pre.rope) needs
+/// opts.pre.rope_cos_sin. `workspace` holds workspace_bytes >= insert_workspace_bytes(num_tokens)
+/// bytes. Throws Error (kInvalidArgument, naming the argument, nothing enqueued) only for what is
+/// wrong before any token is read: the view (host), layer, num_tokens, null pointers, workspace too
+/// small, encode_scale, eps, rope without a table.
+void insert_keys_async(const CacheView& cache, int32_t layer, const float* keys,
+                       const int64_t* slot_mapping, int64_t num_tokens, const InsertOptions& opts,
+                       void* workspace, size_t workspace_bytes, InsertStatus* status,
+                       CUstream_st* stream = nullptr);
+/// Same with bf16 keys (uint16 bit patterns [num_tokens, 128]).
+void insert_keys_bf16_async(const CacheView& cache, int32_t layer, const uint16_t* keys,
+                            const int64_t* slot_mapping, int64_t num_tokens,
+                            const InsertOptions& opts, void* workspace, size_t workspace_bytes,
+                            InsertStatus* status, CUstream_st* stream = nullptr);
+
+/// Index-Q cast as quantize_queries (q fp32 [num_tokens, heads, 128] -> out E4M3 [num_tokens,
+/// heads, 128]) with the refusal of NaN in q recorded in *status (kQueryNaN; nothing written)
+/// instead of thrown. RoPE needs pre.rope_cos_sin. No workspace.
+void quantize_queries_async(const float* q, int64_t num_tokens, int32_t heads,
+                            const KeyPreprocess& pre, uint8_t* out, InsertStatus* status,
+                            CUstream_st* stream = nullptr);
 
 }  // namespace indexcp
