@@ -10,6 +10,7 @@
 #   nccl        the NCCL test binary (one and two GPUs) and the CLI's two-process tests
 #   run-multi   `indexcp launch --tp W -- indexcp run` on the embedded data, W = 2 and 4 where the GPUs exist
 #   bench-multi TP2 / TP4 across 2 / 4 processes (one GPU each, NCCL) where the GPUs exist
+#   engine      compute-sanitizer over GpuEngine.* and `bench insert --tokens 512,8192` (sync vs async in a graph)
 # Environment: INDEXCP_SHARED_DIR (default ./shared), JOBS (16), BUILD_DIR (build-dev),
 #              INDEXCP_GIT_REV (stored in the records), BENCH_ARGS (extra args for every bench).
 set -uo pipefail
@@ -182,6 +183,21 @@ do_quickbench() {
   log "torch baseline (quick) rc=$?"
 }
 
+# The engine API (issue 22): memcheck, initcheck and racecheck over the GpuEngine tests (views,
+# the asynchronous insert / Q cast and their status, graph capture, the caller's stream), then
+# `bench insert` at one decode step's tokens (64 requests x 8 = 512) and a prefill-sized batch:
+# the synchronous call against insert_keys_async in a CUDA graph.
+do_engine() {
+  local bin=$BUILD_DIR/tests/test_gpu tool d
+  d=$(date +%Y-%m-%d)
+  for tool in memcheck initcheck racecheck; do
+    timeout "${SAN_TIMEOUT:-300}" compute-sanitizer --tool $tool --error-exitcode 9 "$bin" --gtest_filter='GpuEngine.*' \
+      --gtest_color=no > "$RES/san-engine-$tool.log" 2>&1
+    log "$tool GpuEngine.* rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|^\[  (PASSED|FAILED) \]' "$RES/san-engine-$tool.log" | tr '\n' ' ')"
+  done
+  bench "insert-async-h200-$d" insert --tokens 512,8192
+}
+
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 for ph in $PHASES; do
   case $ph in
@@ -194,6 +210,7 @@ for ph in $PHASES; do
     bench-multi) do_bench_multi ;;
     nccl) do_nccl ;;
     run-multi) do_run_multi ;;
+    engine) do_engine ;;
   esac
 done
 tar -C "$RES" -cf "$OUT/records.tar" . 2>/dev/null

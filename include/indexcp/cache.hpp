@@ -79,6 +79,8 @@ struct KeyPreprocess {
 /// naming num_positions (1..2^31) or rope_theta (finite, > 0). (cuda::fill_rope_table fills a
 /// device table.)
 void fill_rope_table(float* out, int64_t num_positions, double rope_theta);
+/// One row of that table at any position: out (host, fp32 [64]) = cos of pairs 0..31, then sin.
+void rope_cos_sin_row(int64_t position, double rope_theta, float* out);
 
 /// Throws Error (kInvalidArgument) naming the field unless eps is finite and >= 0 (when
 /// norm_weight is set), rope_theta finite and > 0 and positions not null (when rope is on). The
@@ -165,7 +167,7 @@ enum class InsertRefusal : int32_t {
 /// "none", "slot out of range", ... (for logs).
 const char* to_string(InsertRefusal r);
 
-/// The status an asynchronous insert or Q cast writes: 64 bytes of caller-owned memory (device
+/// The status an asynchronous insert or Q cast writes: 72 bytes of caller-owned memory (device
 /// memory for the CUDA backend, host for the CPU), zero-filled once by the caller (or by
 /// reset_status / cuda::reset_status). It is sticky, as an engine wants it: the first refused
 /// call's details stay until the caller resets it, later calls are still validated and written on
@@ -179,10 +181,10 @@ struct InsertStatus {
   int32_t head = -1;           ///< the head (kQueryNaN)
   float key_value = 0.0f;      ///< the non-finite input value (kNonFiniteKey)
   int32_t heads = 0;           ///< heads of the refused Q cast
-  int64_t num_slots = 0;       ///< num_pages * P of the refused insert's cache (kSlotOutOfRange)
+  int64_t limit = 0;           ///< the bound `value` broke: num_pages * P, or rope_table_positions
   int64_t refused_calls = 0;   ///< calls refused since the last reset
   int64_t refused_tokens = 0;  ///< tokens refused since the last reset (a token counts once per call)
-  uint64_t scratch = 0;        ///< the library's per-call word; do not read
+  unsigned long long scratch = 0;  ///< the library's per-call word; do not read
 };
 static_assert(sizeof(InsertStatus) == 72, "InsertStatus is part of the ABI");
 
@@ -195,9 +197,9 @@ Error status_error(const InsertStatus& status);
 /// Throws status_error(status) when status.reason != 0.
 void throw_if_refused(const InsertStatus& status);
 
-/// Bytes of workspace insert_keys_async needs for up to `max_tokens` tokens (either backend; 0
-/// tokens need 0 bytes). The CUDA size includes the duplicate-slot sort's temporary storage.
-/// Throws Error naming max_tokens outside 0..kMaxTokensPerCall.
+/// Bytes of workspace this backend's insert_keys_async needs for up to `max_tokens` tokens: 0 on
+/// the CPU, which stages on the heap (cuda::insert_workspace_bytes for the CUDA backend). Throws
+/// Error naming max_tokens outside 0..kMaxTokensPerCall.
 size_t insert_workspace_bytes(int64_t max_tokens);
 
 /// Quantizes and writes keys (fp32 [num_tokens, 128]) at slot_mapping (int64 [num_tokens]), as

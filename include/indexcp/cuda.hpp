@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "indexcp/cache.hpp"
+#include "indexcp/cache_view.hpp"
 #include "indexcp/comm.hpp"
 #include "indexcp/config.hpp"
 #include "indexcp/icp.hpp"
@@ -48,9 +49,28 @@ bool available();
 /// "NVIDIA H200" etc. of the current device; Error (kRuntime) when no device is usable.
 std::string device_name();
 
+/// The device rule: every call uses the CURRENT device (cudaGetDevice) of the calling thread, and
+/// every pointer it is given must be memory of that device. The backend is built for sm_90a
+/// (Hopper, compute capability 9.0: H100, H200, GH200) and refuses any other device by name:
+/// Error (kUnsupported) "the CUDA backend of indexcp is built for sm_90a ...; device 0 (NAME) has
+/// compute capability 8.0". The answer is cached per device, so the check costs a lookup; every
+/// entry point and every constructor of this namespace calls it before any other work.
+void require_supported_device();
+/// The rule itself: "" when a device of compute capability major.minor is supported, else the
+/// refusal's message naming the device (index and name) and its compute capability.
+std::string device_support_message(int device, const std::string& name, int major, int minor);
+
+/// One-time setup of the current device (the device check, the scorers' constant tables): what
+/// must not happen inside a CUDA graph capture. DeviceCache and DecodeStep do it at construction;
+/// an engine that brings its own cache memory (CacheView) calls it once per device before its
+/// first capture. Idempotent and thread-safe. Sync (first call per device).
+void prepare_device();
+
 /// One rank's index cache in device memory: every layer in ONE cudaMalloc, with the geometry of
 /// indexcp::IndexCache (layer l at l * layer_stride(), physical page p at p * page_stride).
-/// New caches are zero-filled. Move-only.
+/// New caches are zero-filled. Move-only. The owner form for tools and tests: an engine keeps the
+/// cache in its own memory and passes a CacheView (make_cache_view, MemoryLocation::kDevice).
+/// Every function below that takes `const CacheView&` takes a DeviceCache too.
 class DeviceCache {
  public:
   /// Errors as IndexCache (names num_pages / num_layers / rank), kRuntime when cudaMalloc fails.
@@ -72,6 +92,10 @@ class DeviceCache {
   /// Device address of layer `layer` (no check).
   const uint8_t* layer_ptr(int32_t layer) const { return data_ + layer * layer_stride(); }
   uint8_t* layer_ptr(int32_t layer) { return data_ + layer * layer_stride(); }
+
+  /// A device view of every layer of this cache (shallow: writes through it change this cache).
+  CacheView view() const;
+  operator CacheView() const { return view(); }  // NOLINT: owners convert to views implicitly
 
   /// Copies a host cache of the same geometry (layout, num_pages, num_layers, rank) in; sync.
   void upload(const IndexCache& host);
@@ -96,43 +120,91 @@ class DeviceCache {
 /// duplicates, non-finite keys before and after RMSNorm/RoPE) runs on the device before the
 /// write kernel, which writes nothing when it failed; then the call synchronizes and throws the
 /// same Error as the CPU insert (the message names the first offending token). Sync.
-void insert_keys(DeviceCache& cache, int32_t layer, const float* keys, const int64_t* slot_mapping,
+void insert_keys(const CacheView& cache, int32_t layer, const float* keys, const int64_t* slot_mapping,
                  int64_t num_tokens, const InsertOptions& opts, Stream stream);
 /// Same with bf16 keys (uint16 bit patterns [num_tokens, 128], device). Sync.
-void insert_keys_bf16(DeviceCache& cache, int32_t layer, const uint16_t* keys,
+void insert_keys_bf16(const CacheView& cache, int32_t layer, const uint16_t* keys,
                       const int64_t* slot_mapping, int64_t num_tokens, const InsertOptions& opts,
                       Stream stream);
 
 /// Index-Q cast (formats.md section 5): q fp32 [num_tokens, heads, 128] -> out E4M3 bytes, with
 /// optional RMSNorm / RoPE (pre.norm_weight, pre.positions device pointers; positions per token).
-/// NaN in q is refused (Error naming token, head and dim, as the CPU); nothing is written. Sync.
+/// NaN in q, before or after RMSNorm/RoPE, is refused (Error naming token, head and dim, as the
+/// CPU); nothing is written. Sync.
 void quantize_queries(const float* q, int64_t num_tokens, int32_t heads, const KeyPreprocess& pre,
                       uint8_t* out, Stream stream);
+
+// ---------------------------------------------------------------------------------------------
+// Asynchronous insert and index-Q cast (the engine's form; docs/embedding.md). Each call only
+// enqueues kernels and memsets on `stream`: no host synchronization, no allocation, no host read
+// of device data, so it can be captured in a CUDA graph (cudaStreamCaptureModeGlobal included)
+// and replayed with new keys, slots and positions in the same device buffers. Semantics, status
+// and errors as the CPU versions in cache.hpp; here every pointer is device memory of the
+// current device, and `status` is a device InsertStatus (72 bytes, 8-byte aligned).
+
+/// Workspace bytes insert_keys_async / insert_keys_bf16_async need for up to max_tokens tokens
+/// (staging, the duplicate-slot sort and its CUB temporary storage). Host computation only.
+size_t insert_workspace_bytes(int64_t max_tokens);
+
+/// Quantizes and writes keys (fp32 [num_tokens, 128]) at slot_mapping (int64 [num_tokens]) into
+/// a device view: a validation pass (duplicates by a sort, then slot range, finite key, RoPE
+/// position, finite after RMSNorm/RoPE) records the first refused token in *status, and the write
+/// kernel writes nothing when any token was refused. RoPE reads opts.pre.rope_cos_sin (a device
+/// table, fill_rope_table) at opts.pre.positions (device int64 [num_tokens]).
+/// `workspace`: device, 16-byte aligned, workspace_bytes >= insert_workspace_bytes(num_tokens).
+/// Throws (nothing enqueued) only for host-visible faults: a host view, layer, num_tokens, null
+/// pointers, a small workspace, encode_scale, eps, rope without a table.
+void insert_keys_async(const CacheView& cache, int32_t layer, const float* keys,
+                       const int64_t* slot_mapping, int64_t num_tokens, const InsertOptions& opts,
+                       void* workspace, size_t workspace_bytes, InsertStatus* status, Stream stream);
+/// Same with bf16 keys (uint16 bit patterns [num_tokens, 128], device).
+void insert_keys_bf16_async(const CacheView& cache, int32_t layer, const uint16_t* keys,
+                            const int64_t* slot_mapping, int64_t num_tokens,
+                            const InsertOptions& opts, void* workspace, size_t workspace_bytes,
+                            InsertStatus* status, Stream stream);
+/// Index-Q cast, asynchronous: NaN in q (before or after RMSNorm/RoPE) or a position outside the
+/// RoPE table is recorded in *status and nothing is written. Uses status->scratch; no workspace.
+void quantize_queries_async(const float* q, int64_t num_tokens, int32_t heads,
+                            const KeyPreprocess& pre, uint8_t* out, InsertStatus* status,
+                            Stream stream);
+
+/// Fills a device RoPE table (fp32 [num_positions, 64], indexcp::fill_rope_table's values,
+/// computed on the host in double precision) and synchronizes `stream`: setup, not for capture.
+void fill_rope_table(float* out, int64_t num_positions, double rope_theta, Stream stream);
+/// Zero-fills a device status on `stream` (a memset: capturable).
+void reset_status(InsertStatus* status, Stream stream);
+/// Copies a device status to the host on `stream` and synchronizes it (then status_error /
+/// throw_if_refused turn it into the synchronous call's Error). Sync.
+InsertStatus read_status(const InsertStatus* status, Stream stream);
 
 // ---------------------------------------------------------------------------------------------
 // Decode and prefill, one rank
 
 /// Validates a decode batch whose arrays are device pointers against a cache geometry by copying
 /// them to the host and applying indexcp::decode_rows (the same errors as the CPU). Sync.
-void validate_decode_batch(const DecodeBatch& batch, int64_t num_pages, int32_t page_size);
+/// The copies run on `stream` (after the caller's own writes to it; never the legacy default
+/// stream unless stream is nullptr), which is then synchronized.
+void validate_decode_batch(const DecodeBatch& batch, int64_t num_pages, int32_t page_size,
+                           Stream stream = nullptr);
 /// Same for a prefill batch (indexcp::prefill_rows). Sync. Returns the number of rows.
-int64_t validate_prefill_batch(const PrefillBatch& batch, int64_t num_pages, int32_t page_size);
+int64_t validate_prefill_batch(const PrefillBatch& batch, int64_t num_pages, int32_t page_size,
+                               Stream stream = nullptr);
 
 /// Block scores of heads [h0, h0+nh) of a decode batch against one rank's cache (replicated or a
 /// shard; NVFP4 or FP8): out fp32 [rows, nh, max_pages * P / 128], -Inf where no score exists
 /// (not historical, or no rows on this rank). Validates the batch (sync) when `validate`.
-void decode_scores(const DeviceCache& cache, int32_t layer, const DecodeBatch& batch, int32_t h0,
+void decode_scores(const CacheView& cache, int32_t layer, const DecodeBatch& batch, int32_t h0,
                    int32_t nh, KRounding mode, float* out, Stream stream, bool validate = true);
 
 /// Replicated decode: score heads [h0, h0+nh) and select (indexer.md sections 3-4).
 /// out int32 [rows, nh, K] (device). The cache must be unsharded (Error naming cache).
 /// Validates the batch first when `validate` (sync); otherwise the call only enqueues work.
-void decode_select(const DeviceCache& cache, int32_t layer, const DecodeBatch& batch, int32_t h0,
+void decode_select(const CacheView& cache, int32_t layer, const DecodeBatch& batch, int32_t h0,
                    int32_t nh, const SelectionParams& sel, KRounding mode, int32_t* out,
                    Stream stream, bool validate = true);
 
 /// Replicated prefill: NVFP4 scored with E4M3 keys; out int32 [rows, nh, K]. Sync.
-void prefill_select(const DeviceCache& cache, int32_t layer, const PrefillBatch& batch,
+void prefill_select(const CacheView& cache, int32_t layer, const PrefillBatch& batch,
                     int32_t h0, int32_t nh, const SelectionParams& sel, int32_t* out,
                     Stream stream);
 
@@ -143,7 +215,7 @@ void prefill_select(const DeviceCache& cache, int32_t layer, const PrefillBatch&
 /// the host values `rows` (= query_start[num_requests]) and `max_rows_per_request` (the largest
 /// query_start[b+1] - query_start[b]; an upper bound is fine). Errors name the argument for the
 /// host-side checks (cache sharded or bf16, layer, heads, rows < 0, max_rows_per_request < 1).
-void prefill_scores(const DeviceCache& cache, int32_t layer, const PrefillBatch& batch, int64_t rows,
+void prefill_scores(const CacheView& cache, int32_t layer, const PrefillBatch& batch, int64_t rows,
                     int32_t max_rows_per_request, int32_t h0, int32_t nh, float* out, Stream stream);
 
 // ---------------------------------------------------------------------------------------------
@@ -163,12 +235,12 @@ void check_rank_agreement(Communicator& comm, const ResolvedConfig& config, int6
 /// through comm, merge this rank's owned heads. out int32 [rows, owned heads, K].
 /// `p256_stock` (INDEXCP_P256_STOCK_DECODE): at P = 256, W = 2 the shard pages are whole stock
 /// pages and are scored by the stock scorer; false keeps the general one (identical bits).
-void icp_decode(Communicator& comm, const DeviceCache& shard, int32_t layer,
+void icp_decode(Communicator& comm, const CacheView& shard, int32_t layer,
                 const DecodeBatch& batch, const SelectionParams& sel, KRounding mode, int32_t* out,
                 Stream stream, bool validate = true, bool p256_stock = true);
 
 /// Decode CP over a replicated cache: rank r scores blocks b % W == r, then as icp_decode.
-void decode_cp_replicated(Communicator& comm, const DeviceCache& cache, int32_t layer,
+void decode_cp_replicated(Communicator& comm, const CacheView& cache, int32_t layer,
                           const DecodeBatch& batch, const SelectionParams& sel, KRounding mode,
                           int32_t* out, Stream stream, bool validate = true);
 
@@ -176,17 +248,17 @@ void decode_cp_replicated(Communicator& comm, const DeviceCache& cache, int32_t 
 /// [num_pages]), this rank's rows as E4M3 k_hat bytes: out uint8 [num_pages, rows(), 128].
 /// Pages on grid x: any number of pages in one call. BF16 caches are refused. `validate` copies
 /// the page ids to the host and checks them (sync) like the CPU (names pages[i]).
-void stage_fp8(const DeviceCache& shard, int32_t layer, const int32_t* pages, int64_t num_pages,
+void stage_fp8(const CacheView& shard, int32_t layer, const int32_t* pages, int64_t num_pages,
                uint8_t* out, Stream stream, bool validate = true);
 
 /// Gather prefill, one rank: like indexcp::prefill_gather (chunks of (request, page) units whose
 /// staging + gathered transient fits budget_bytes), the scoring on the GPU. Sync.
-GatherStats prefill_gather(Communicator& comm, const DeviceCache& shard, int32_t layer,
+GatherStats prefill_gather(Communicator& comm, const CacheView& shard, int32_t layer,
                            const PrefillBatch& batch, const SelectionParams& sel,
                            int64_t budget_bytes, int32_t* out, Stream stream);
 
 /// local_score prefill, one rank (E4M3 keys), publish, exchange, merge owned heads. Sync.
-void prefill_local_score(Communicator& comm, const DeviceCache& shard, int32_t layer,
+void prefill_local_score(Communicator& comm, const CacheView& shard, int32_t layer,
                          const PrefillBatch& batch, const SelectionParams& sel, int32_t* out,
                          Stream stream);
 
@@ -243,7 +315,10 @@ class DecodeStep {
   /// cache (index 0) shared by every rank. `p256_stock`: at P = 256, W = 2 (shard pages are whole
   /// stock pages) score them with the stock scorer (INDEXCP_P256_STOCK_DECODE); both scorers give
   /// identical bits. Allocates all workspace (cudaMalloc) here.
-  DecodeStep(std::vector<const DeviceCache*> caches, int32_t world, int32_t layer,
+  DecodeStep(std::vector<CacheView> caches, int32_t world, int32_t layer,
+             const DecodeShape& shape, DecodePath path, bool p256_stock = true);
+  /// The same over owners (their views; null entries are refused by index).
+  DecodeStep(const std::vector<const DeviceCache*>& caches, int32_t world, int32_t layer,
              const DecodeShape& shape, DecodePath path, bool p256_stock = true);
   ~DecodeStep();
   DecodeStep(const DecodeStep&) = delete;

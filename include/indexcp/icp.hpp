@@ -39,14 +39,14 @@ void merge_candidates(const Candidate* cands, int32_t world, const std::vector<Q
 /// heads (owned_heads(batch.heads, W, rank)). `shard` must have layout().shards == comm.world()
 /// and rank() == comm.rank(). out int32 [rows, owned heads, K]. Every rank must call it with the
 /// same batch. Exchanged bytes per rank: rows * heads * ranked() * 8.
-void icp_decode(Communicator& comm, const IndexCache& shard, int32_t layer,
+void icp_decode(Communicator& comm, const CacheView& shard, int32_t layer,
                 const DecodeBatch& batch, const SelectionParams& sel, KRounding mode,
                 int32_t* out);
 
 /// Decode CP over a replicated cache (`indexer_decode_cp`): rank r scores all heads over blocks
 /// with b % W == r, then publish, exchange and merge as icp_decode. At W = 1 it equals
 /// decode_select. out int32 [rows, owned heads, K].
-void decode_cp_replicated(Communicator& comm, const IndexCache& cache, int32_t layer,
+void decode_cp_replicated(Communicator& comm, const CacheView& cache, int32_t layer,
                           const DecodeBatch& batch, const SelectionParams& sel, KRounding mode,
                           int32_t* out);
 
@@ -54,7 +54,7 @@ void decode_cp_replicated(Communicator& comm, const IndexCache& cache, int32_t l
 /// physical page ids, this rank's rows converted to E4M3 k_hat bytes: out uint8
 /// [num_pages, rows(), 128]. NVFP4 -> e4m3_encode(e2m1 * e4m3 scale); FP8 copied. Any number of
 /// pages per call. Errors: page id outside [0, num_pages) (names pages[i]), BF16 cache.
-void stage_fp8(const IndexCache& shard, int32_t layer, const int32_t* pages, int64_t num_pages,
+void stage_fp8(const CacheView& shard, int32_t layer, const int32_t* pages, int64_t num_pages,
                uint8_t* out);
 
 /// What a gather prefill did.
@@ -75,13 +75,13 @@ int64_t gather_unit_bytes(const PageLayout& layout);
 /// `budget_bytes`; each rank then scores its owned heads over the full FP8 keys like an
 /// unsharded FP8 cache and selects. out int32 [rows, owned heads, K]. Errors: budget_bytes below
 /// one unit (names indexer_prefill_gather_budget_mib), shard/comm mismatch, batch errors.
-GatherStats prefill_gather(Communicator& comm, const IndexCache& shard, int32_t layer,
+GatherStats prefill_gather(Communicator& comm, const CacheView& shard, int32_t layer,
                            const PrefillBatch& batch, const SelectionParams& sel,
                            int64_t budget_bytes, int32_t* out);
 
 /// local_score prefill, one rank: score all heads over this rank's rows (E4M3-rounded NVFP4),
 /// publish, exchange, merge owned heads. out int32 [rows, owned heads, K].
-void prefill_local_score(Communicator& comm, const IndexCache& shard, int32_t layer,
+void prefill_local_score(Communicator& comm, const CacheView& shard, int32_t layer,
                          const PrefillBatch& batch, const SelectionParams& sel, int32_t* out);
 
 }  // namespace indexcp

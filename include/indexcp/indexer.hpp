@@ -110,7 +110,7 @@ struct BlockFilter {
 /// exactly in fp64 (for FP8/NVFP4 keys all 128 products are multiples of 2^-19 below 2^28) then
 /// rounded once to fp32, so a (query, head, token) dot product is bit-identical on every CPU scorer and does
 /// not depend on summation order or thread count. A NaN dot product is ignored by the block max.
-BlockScores score_blocks(const IndexCache& cache, int32_t layer, const std::vector<QueryRow>& rows,
+BlockScores score_blocks(const CacheView& cache, int32_t layer, const std::vector<QueryRow>& rows,
                          const int32_t* block_table, int32_t max_pages, const uint8_t* q,
                          int32_t heads, int32_t h0, int32_t nh, KRounding mode,
                          BlockFilter filter = {});
@@ -138,12 +138,12 @@ void select_topk(const BlockScores& scores, const std::vector<QueryRow>& rows,
 /// Replicated decode (one rank's owned heads, or any head range): score heads [h0, h0+nh) of a
 /// replicated cache and select. out int32 [rows, nh, K]. Errors: see decode_rows; the cache must
 /// not be sharded (Error naming cache); h0/nh must lie within batch.heads.
-void decode_select(const IndexCache& cache, int32_t layer, const DecodeBatch& batch, int32_t h0,
+void decode_select(const CacheView& cache, int32_t layer, const DecodeBatch& batch, int32_t h0,
                    int32_t nh, const SelectionParams& sel, KRounding mode, int32_t* out);
 
 /// Replicated prefill: like decode_select on prefill rows; NVFP4 keys are always scored with
 /// E4M3 rounding (indexer.md section 2). out int32 [rows, nh, K].
-void prefill_select(const IndexCache& cache, int32_t layer, const PrefillBatch& batch, int32_t h0,
+void prefill_select(const CacheView& cache, int32_t layer, const PrefillBatch& batch, int32_t h0,
                     int32_t nh, const SelectionParams& sel, int32_t* out);
 
 }  // namespace indexcp

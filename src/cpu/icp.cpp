@@ -29,7 +29,8 @@ void merge_candidates(const Candidate* cands, int32_t world, const std::vector<Q
 
 namespace {
 
-void check_group(const Communicator& comm, const IndexCache& cache, bool sharded) {
+void check_group(const Communicator& comm, const CacheView& cache, bool sharded) {
+  check_cache_view(cache, MemoryLocation::kHost, sharded ? "shard" : "cache");
   if (sharded) {
     INDEXCP_REQUIRE(cache.layout().shards == comm.world(),
             "shard has shards = " + std::to_string(cache.layout().shards) +
@@ -45,7 +46,7 @@ void check_group(const Communicator& comm, const IndexCache& cache, bool sharded
 }
 
 // Score all heads on this rank, publish, all-gather, merge the owned heads.
-void icp_select(Communicator& comm, const IndexCache& cache, int32_t layer,
+void icp_select(Communicator& comm, const CacheView& cache, int32_t layer,
                 const std::vector<QueryRow>& rows, const int32_t* block_table, int32_t max_pages,
                 const uint8_t* q, int32_t heads, const SelectionParams& sel, KRounding mode,
                 BlockFilter filter, int32_t* out) {
@@ -64,7 +65,7 @@ void icp_select(Communicator& comm, const IndexCache& cache, int32_t layer,
 
 }  // namespace
 
-void icp_decode(Communicator& comm, const IndexCache& shard, int32_t layer,
+void icp_decode(Communicator& comm, const CacheView& shard, int32_t layer,
                 const DecodeBatch& batch, const SelectionParams& sel, KRounding mode,
                 int32_t* out) {
   sel.validate();
@@ -74,7 +75,7 @@ void icp_decode(Communicator& comm, const IndexCache& shard, int32_t layer,
              sel, mode, BlockFilter{}, out);
 }
 
-void decode_cp_replicated(Communicator& comm, const IndexCache& cache, int32_t layer,
+void decode_cp_replicated(Communicator& comm, const CacheView& cache, int32_t layer,
                           const DecodeBatch& batch, const SelectionParams& sel, KRounding mode,
                           int32_t* out) {
   sel.validate();
@@ -84,7 +85,7 @@ void decode_cp_replicated(Communicator& comm, const IndexCache& cache, int32_t l
              sel, mode, BlockFilter{comm.world(), comm.rank()}, out);
 }
 
-void prefill_local_score(Communicator& comm, const IndexCache& shard, int32_t layer,
+void prefill_local_score(Communicator& comm, const CacheView& shard, int32_t layer,
                          const PrefillBatch& batch, const SelectionParams& sel, int32_t* out) {
   sel.validate();
   check_group(comm, shard, true);
@@ -93,8 +94,9 @@ void prefill_local_score(Communicator& comm, const IndexCache& shard, int32_t la
              sel, KRounding::kE4m3, BlockFilter{}, out);
 }
 
-void stage_fp8(const IndexCache& shard, int32_t layer, const int32_t* pages, int64_t num_pages,
+void stage_fp8(const CacheView& shard, int32_t layer, const int32_t* pages, int64_t num_pages,
                uint8_t* out) {
+  check_cache_view(shard, MemoryLocation::kHost, "shard");
   const PageLayout& l = shard.layout();
   INDEXCP_REQUIRE(l.dtype != KvDtype::kBf16, "shard is a bf16 cache; FP8 staging needs fp8 or nvfp4");
   INDEXCP_REQUIRE(layer >= 0 && layer < shard.num_layers(), "layer = " + std::to_string(layer) + " is out of range");
@@ -122,7 +124,7 @@ int64_t gather_unit_bytes(const PageLayout& l) {
   return static_cast<int64_t>(l.rows()) * kHeadDim + static_cast<int64_t>(l.page_size) * kHeadDim;
 }
 
-GatherStats prefill_gather(Communicator& comm, const IndexCache& shard, int32_t layer,
+GatherStats prefill_gather(Communicator& comm, const CacheView& shard, int32_t layer,
                            const PrefillBatch& batch, const SelectionParams& sel,
                            int64_t budget_bytes, int32_t* out) {
   sel.validate();

@@ -144,9 +144,10 @@ void check_head_range(int32_t heads, int32_t h0, int32_t nh) {
 }
 }  // namespace cpu
 
-BlockScores score_blocks(const IndexCache& cache, int32_t layer, const std::vector<QueryRow>& rows,
+BlockScores score_blocks(const CacheView& cache, int32_t layer, const std::vector<QueryRow>& rows,
                          const int32_t* block_table, int32_t max_pages, const uint8_t* q,
                          int32_t heads, int32_t h0, int32_t nh, KRounding mode, BlockFilter filter) {
+  check_cache_view(cache, MemoryLocation::kHost, "cache");
   INDEXCP_REQUIRE(layer >= 0 && layer < cache.num_layers(),
           "layer = " + std::to_string(layer) + " is outside [0, " +
               std::to_string(cache.num_layers()) + ")");
@@ -195,9 +196,10 @@ void select_topk(const BlockScores& s, const std::vector<QueryRow>& rows, const 
   cpu::select_topk(s, rows, sel, out);
 }
 
-void decode_select(const IndexCache& cache, int32_t layer, const DecodeBatch& batch, int32_t h0,
+void decode_select(const CacheView& cache, int32_t layer, const DecodeBatch& batch, int32_t h0,
                    int32_t nh, const SelectionParams& sel, KRounding mode, int32_t* out) {
   sel.validate();
+  check_cache_view(cache, MemoryLocation::kHost, "cache");
   INDEXCP_REQUIRE(cache.layout().shards == 1,
           "cache is sharded (shards = " + std::to_string(cache.layout().shards) +
               "); decode_select needs a replicated cache, use icp_decode");
@@ -208,9 +210,10 @@ void decode_select(const IndexCache& cache, int32_t layer, const DecodeBatch& ba
   cpu::select_topk(s, rows, sel, out);
 }
 
-void prefill_select(const IndexCache& cache, int32_t layer, const PrefillBatch& batch, int32_t h0,
+void prefill_select(const CacheView& cache, int32_t layer, const PrefillBatch& batch, int32_t h0,
                     int32_t nh, const SelectionParams& sel, int32_t* out) {
   sel.validate();
+  check_cache_view(cache, MemoryLocation::kHost, "cache");
   INDEXCP_REQUIRE(cache.layout().shards == 1,
           "cache is sharded (shards = " + std::to_string(cache.layout().shards) +
               "); prefill_select needs a replicated cache, use prefill_gather");

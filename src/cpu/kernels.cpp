@@ -157,7 +157,7 @@ const double* e4m3_table() {
 }
 
 // k_hat of local rows [first, first+count) of a page into kbuf (fp64).
-static void page_rows_khat(const IndexCache& c, int32_t layer, int64_t page, int32_t first,
+static void page_rows_khat(const CacheView& c, int32_t layer, int64_t page, int32_t first,
                            int32_t count, KRounding mode, double* kbuf) {
   const PageLayout& l = c.layout();
   const uint8_t* p = c.page_ptr(layer, page);
@@ -197,7 +197,7 @@ static void page_rows_khat(const IndexCache& c, int32_t layer, int64_t page, int
   }
 }
 
-BlockScores score_blocks(const IndexCache& cache, int32_t layer, const std::vector<QueryRow>& rows,
+BlockScores score_blocks(const CacheView& cache, int32_t layer, const std::vector<QueryRow>& rows,
                          const int32_t* block_table, int32_t max_pages, const uint8_t* q,
                          int32_t heads, int32_t h0, int32_t nh, KRounding mode, BlockFilter filter) {
   const PageLayout& l = cache.layout();

@@ -55,7 +55,7 @@ const double* e4m3_table();
 /// The exact dot product of indexer.md section 3 as this backend computes it (docs/decisions.md).
 float dot128(const double* q, const double* k);
 
-BlockScores score_blocks(const IndexCache& cache, int32_t layer, const std::vector<QueryRow>& rows,
+BlockScores score_blocks(const CacheView& cache, int32_t layer, const std::vector<QueryRow>& rows,
                          const int32_t* block_table, int32_t max_pages, const uint8_t* q,
                          int32_t heads, int32_t h0, int32_t nh, KRounding mode, BlockFilter filter);
 

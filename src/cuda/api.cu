@@ -43,22 +43,27 @@ class Tmp {
   cudaStream_t s_;
 };
 
+// Device data read back by the validating paths: on the caller's stream, after the caller's own
+// writes to it (never on the legacy default stream), then that stream is synchronized.
 template <class T>
-std::vector<T> to_host(const T* dev, size_t n, const char* what) {
+std::vector<T> to_host(const T* dev, size_t n, const char* what, cudaStream_t st) {
   std::vector<T> h(n);
   if (n) {
     INDEXCP_REQUIRE(dev != nullptr, std::string(what) + " is null");
-    check(cudaMemcpy(h.data(), dev, n * sizeof(T), cudaMemcpyDeviceToHost), what);
+    check(cudaMemcpyAsync(h.data(), dev, n * sizeof(T), cudaMemcpyDeviceToHost, st), what);
+    check(cudaStreamSynchronize(st), what);
   }
   return h;
 }
 
-void check_layer(const DeviceCache& c, int32_t layer) {
-  INDEXCP_REQUIRE(layer >= 0 && layer < c.num_layers(),
-          "layer = " + std::to_string(layer) + " is outside [0, " + std::to_string(c.num_layers()) + ")");
+// Every entry point's first cache check: a device view (not a host one), then the layer.
+void check_layer(const CacheView& c, int32_t layer, const char* name = "cache") {
+  require_supported_device();
+  check_cache_view(c, MemoryLocation::kDevice, name);
+  check_view_layer(c, layer);
 }
 
-void check_not_bf16(const DeviceCache& c) {
+void check_not_bf16(const CacheView& c) {
   if (c.layout().dtype == KvDtype::kBf16)
     throw Error(ErrorCode::kUnsupported,
                 "indexer_kv_dtype = bf16 is not supported by the CUDA scorers (use fp8 or nvfp4, or the cpu backend)");
@@ -90,7 +95,7 @@ RowsView decode_rows_view(const DecodeBatch& b) {
   return v;
 }
 
-KeySource key_source(const DeviceCache& c, int32_t layer) {
+KeySource key_source(const CacheView& c, int32_t layer) {
   KeySource k;
   k.base = c.layer_ptr(layer);
   k.layout = c.layout();
@@ -103,7 +108,7 @@ int64_t max_blocks_of(int32_t max_pages, const PageLayout& l) {
   return static_cast<int64_t>(max_pages) * l.blocks_per_page();
 }
 
-ScoreLaunch decode_score_launch(const DeviceCache& c, int32_t layer, const DecodeBatch& b, int32_t h0,
+ScoreLaunch decode_score_launch(const CacheView& c, int32_t layer, const DecodeBatch& b, int32_t h0,
                                 int32_t nh, KRounding mode, float* scores, BlockFilter filter, bool stock) {
   check_k_rounding(mode, "mode");
   ScoreLaunch s;
@@ -140,9 +145,9 @@ HostPrefill read_prefill(const PrefillBatch& b, int64_t num_pages, int32_t page_
   INDEXCP_REQUIRE(b.heads >= 1 && b.heads <= 64, "heads = " + std::to_string(b.heads) + " is out of range 1..64");
   HostPrefill h;
   if (b.num_requests > 0) INDEXCP_REQUIRE(b.query_start != nullptr, "query_start is null");
-  h.query_start = to_host(b.query_start, static_cast<size_t>(b.num_requests) + 1, "query_start (device to host)");
-  h.seq_lens = to_host(b.seq_lens, static_cast<size_t>(b.num_requests), "seq_lens (device to host)");
-  h.block_table = to_host(b.block_table, static_cast<size_t>(b.num_requests) * b.max_pages, "block_table (device to host)");
+  h.query_start = to_host(b.query_start, static_cast<size_t>(b.num_requests) + 1, "query_start (device to host)", st);
+  h.seq_lens = to_host(b.seq_lens, static_cast<size_t>(b.num_requests), "seq_lens (device to host)", st);
+  h.block_table = to_host(b.block_table, static_cast<size_t>(b.num_requests) * b.max_pages, "block_table (device to host)", st);
   const int64_t rows = b.num_requests ? h.query_start.back() : 0;
   INDEXCP_REQUIRE(rows >= 0, "query_start[num_requests] = " + std::to_string(rows) + " is negative");
   PrefillBatch hb = b;  // (q stays the device pointer: only tested for null on the host)
@@ -179,7 +184,7 @@ RowsView prefill_rows_view(const PrefillBatch& b, int64_t rows) {
 }
 
 // The scorer launch of a replicated prefill (E4M3 keys, whole-page scorer) for heads [h0, h0+nh).
-ScoreLaunch prefill_score_launch(const DeviceCache& cache, int32_t layer, const PrefillBatch& batch, int64_t rows,
+ScoreLaunch prefill_score_launch(const CacheView& cache, int32_t layer, const PrefillBatch& batch, int64_t rows,
                                  int32_t max_rows_per_request, int32_t h0, int32_t nh, float* scores) {
   ScoreLaunch sl;
   sl.keys = key_source(cache, layer);
@@ -198,7 +203,7 @@ ScoreLaunch prefill_score_launch(const DeviceCache& cache, int32_t layer, const 
   return sl;
 }
 
-void check_group(const Communicator& comm, const DeviceCache& c, bool sharded) {
+void check_group(const Communicator& comm, const CacheView& c, bool sharded) {
   if (sharded) {
     INDEXCP_REQUIRE(c.layout().shards == comm.world(), "shard has shards = " + std::to_string(c.layout().shards) +
                                                    " but the communicator has world = " + std::to_string(comm.world()));
@@ -211,7 +216,7 @@ void check_group(const Communicator& comm, const DeviceCache& c, bool sharded) {
 }
 
 // Score all heads over `c` (rows given by `rv`), publish, all-gather, merge owned heads.
-void icp_select_device(Communicator& comm, const ScoreLaunch& sl_in, const DeviceCache& c, const RowsView& rv,
+void icp_select_device(Communicator& comm, const ScoreLaunch& sl_in, const CacheView& c, const RowsView& rv,
                        const SelectionParams& sel, int32_t* out, cudaStream_t st) {
   const int32_t W = comm.world();
   const int32_t H = sl_in.heads;
@@ -273,6 +278,33 @@ std::string device_name() {
   return p.name;
 }
 
+void require_supported_device() {
+  int dev = 0;
+  check(cudaGetDevice(&dev), "cudaGetDevice");
+  static std::mutex mu;
+  static std::vector<int8_t> known;  // per device: 0 unknown, 1 supported, -1 refused
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    if (dev < static_cast<int>(known.size()) && known[dev] == 1) return;
+  }
+  int major = 0, minor = 0;
+  check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "cudaDeviceGetAttribute");
+  check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev), "cudaDeviceGetAttribute");
+  if (major != 9 || minor != 0) {
+    cudaDeviceProp p;
+    const std::string name = cudaGetDeviceProperties(&p, dev) == cudaSuccess ? p.name : "?";
+    throw Error(ErrorCode::kUnsupported, device_support_message(dev, name, major, minor));
+  }
+  std::lock_guard<std::mutex> lk(mu);
+  if (static_cast<int>(known.size()) <= dev) known.resize(dev + 1, 0);
+  known[dev] = 1;
+}
+
+void prepare_device() {
+  require_supported_device();
+  ensure_tables();
+}
+
 DeviceCache::DeviceCache(const PageLayout& layout, int64_t num_pages, int32_t num_layers, int32_t rank)
     : num_pages_(num_pages), num_layers_(num_layers), rank_(rank) {
   layout_ = make_page_layout(layout.dtype, layout.page_size, layout.shards, layout.page_stride);
@@ -282,7 +314,7 @@ DeviceCache::DeviceCache(const PageLayout& layout, int64_t num_pages, int32_t nu
   INDEXCP_REQUIRE(rank >= 0 && rank < layout_.shards,
           "rank = " + std::to_string(rank) + " must be in [0, shards = " + std::to_string(layout_.shards) + ")");
   const int64_t bytes = size_bytes();
-  ensure_tables();
+  prepare_device();
   void* p = nullptr;
   const cudaError_t e = cudaMalloc(&p, static_cast<size_t>(bytes));
   if (e != cudaSuccess) {
@@ -293,6 +325,10 @@ DeviceCache::DeviceCache(const PageLayout& layout, int64_t num_pages, int32_t nu
   }
   data_ = static_cast<uint8_t*>(p);
   INDEXCP_CUDA_CHECK(cudaMemset(data_, 0, static_cast<size_t>(bytes)));
+}
+
+CacheView DeviceCache::view() const {
+  return make_cache_view(layout_, data_, num_pages_, num_layers_, rank_, 0, MemoryLocation::kDevice);
 }
 
 DeviceCache::~DeviceCache() {
@@ -317,7 +353,7 @@ DeviceCache& DeviceCache::operator=(DeviceCache&& o) noexcept {
   return *this;
 }
 
-static void check_same_geometry(const DeviceCache& d, const IndexCache& h) {
+static void check_same_geometry(const CacheView& d, const IndexCache& h) {
   INDEXCP_REQUIRE(h.layout().dtype == d.layout().dtype && h.layout().page_size == d.layout().page_size &&
               h.layout().shards == d.layout().shards && h.layout().page_stride == d.layout().page_stride &&
               h.num_pages() == d.num_pages() && h.num_layers() == d.num_layers() && h.rank() == d.rank(),
@@ -334,48 +370,45 @@ void DeviceCache::download(IndexCache& host) const {
   INDEXCP_CUDA_CHECK(cudaMemcpy(host.data(), data_, static_cast<size_t>(size_bytes()), cudaMemcpyDeviceToHost));
 }
 
-// ---- insert ---------------------------------------------------------------------------------
+// ---- insert and Q cast ----------------------------------------------------------------------
 
 namespace {
 
-// cos/sin of indexer.md section 6 for each token, exactly as the CPU computes them.
-std::vector<float> rope_table(const std::vector<int64_t>& positions, double theta) {
+// cos/sin of indexer.md section 6 for each token (the synchronous calls' per-token table), by the
+// CPU's own rule (rope_cos_sin_row).
+std::vector<float> rope_rows(const std::vector<int64_t>& positions, double theta) {
   std::vector<float> t(positions.size() * 64);
-  for (size_t k = 0; k < positions.size(); ++k)
-    for (int i = 0; i < 32; ++i) {
-      const double inv_freq = std::pow(theta, -2.0 * i / 64.0);
-      const double ang = static_cast<double>(positions[k]) * inv_freq;
-      t[k * 64 + i] = static_cast<float>(std::cos(ang));
-      t[k * 64 + 32 + i] = static_cast<float>(std::sin(ang));
-    }
+  for (size_t k = 0; k < positions.size(); ++k) rope_cos_sin_row(positions[k], theta, t.data() + k * 64);
   return t;
 }
 
-void insert_impl(DeviceCache& cache, int32_t layer, const float* keys, const uint16_t* keys_bf16,
-                 const int64_t* slot_mapping, int64_t n, const InsertOptions& opts, cudaStream_t st) {
+// What is wrong before any token is read, in the CPU's order (src/cpu/cache.cpp).
+void check_insert_args(const CacheView& cache, int32_t layer, const void* keys, const int64_t* slot_mapping,
+                       int64_t n, const InsertOptions& opts) {
   check_layer(cache, layer);
   check_num_tokens(n);
   if (n == 0) return;
-  INDEXCP_REQUIRE(keys != nullptr || keys_bf16 != nullptr, "keys is null");
+  INDEXCP_REQUIRE(keys != nullptr, "keys is null");
   INDEXCP_REQUIRE(slot_mapping != nullptr, "slot_mapping is null");
-  const PageLayout& l = cache.layout();
   // a bad S is refused for every dtype, as the CPU insert does (docs/decisions.md)
   INDEXCP_REQUIRE(fmt::is_finite(opts.encode_scale) && opts.encode_scale > 0.0f,
-          "encode_scale = " + std::to_string(opts.encode_scale) +
-              " is invalid: the NVFP4 encode scale S must be finite and > 0");
+                  "encode_scale = " + std::to_string(opts.encode_scale) +
+                      " is invalid: the NVFP4 encode scale S must be finite and > 0");
   check_preprocess(opts.pre);
-  const int kb = key_bytes(l.dtype);
-  Tmp<uint8_t> staged(static_cast<size_t>(n) * kb, st);
-  Tmp<unsigned long long> err(1, st);
-  Tmp<int64_t> sort_keys(static_cast<size_t>(4 * n), st);
-  const size_t tb = insert_sort_temp_bytes(n);
-  Tmp<uint8_t> sort_temp(tb, st);
-  std::unique_ptr<Tmp<float>> cs_dev;
+}
+
+InsertLaunch insert_launch(const CacheView& cache, int32_t layer, const float* keys, const uint16_t* keys_bf16,
+                           const int64_t* slot_mapping, int64_t n, const InsertOptions& opts, void* workspace,
+                           InsertStatus* status) {
+  const PageLayout& l = cache.layout();
+  const InsertWorkspace w = insert_workspace_layout(n);
+  uint8_t* ws = static_cast<uint8_t*>(workspace);
   InsertLaunch L;
   L.keys_f32 = keys;
   L.keys_bf16 = keys_bf16;
   L.slots = slot_mapping;
   L.n = n;
+  L.layer = layer;
   L.layer_base = cache.layer_ptr(layer);
   L.layout = l;
   L.rank = cache.rank();
@@ -383,126 +416,207 @@ void insert_impl(DeviceCache& cache, int32_t layer, const float* keys, const uin
   L.encode_scale = opts.encode_scale;
   L.norm_weight = opts.pre.norm_weight;
   L.eps = opts.pre.eps;
+  L.staged = ws + w.staged;
+  L.err = reinterpret_cast<unsigned long long*>(ws + w.err);
+  L.dup = ws + w.dup;
+  L.sort_keys = reinterpret_cast<int64_t*>(ws + w.sort_keys);
+  L.sort_temp = ws + w.sort_temp;
+  L.sort_temp_bytes = w.sort_temp_bytes;
+  L.status = status;
+  return L;
+}
+
+void check_async_rope(const KeyPreprocess& pre) {
+  INDEXCP_REQUIRE(!pre.rope || (pre.rope_cos_sin != nullptr && pre.rope_table_positions >= 1),
+                  "rope is on but rope_cos_sin is null or rope_table_positions < 1 (the asynchronous calls read "
+                  "cos/sin from a table: fill_rope_table)");
+}
+
+void insert_async_impl(const CacheView& cache, int32_t layer, const float* keys, const uint16_t* keys_bf16,
+                       const int64_t* slot_mapping, int64_t n, const InsertOptions& opts, void* workspace,
+                       size_t workspace_bytes, InsertStatus* status, cudaStream_t st) {
+  check_insert_args(cache, layer, keys ? static_cast<const void*>(keys) : keys_bf16, slot_mapping, n, opts);
+  INDEXCP_REQUIRE(status != nullptr, "status is null");
+  INDEXCP_REQUIRE(reinterpret_cast<uintptr_t>(status) % 8 == 0, "status is not 8-byte aligned");
+  check_async_rope(opts.pre);
+  if (n == 0) return;
+  const size_t need = insert_workspace_layout(n).total;
+  INDEXCP_REQUIRE(workspace_bytes >= need, "workspace_bytes = " + std::to_string(workspace_bytes) +
+                                               " is smaller than insert_workspace_bytes(num_tokens = " +
+                                               std::to_string(n) + ") = " + std::to_string(need));
+  INDEXCP_REQUIRE(workspace != nullptr, "workspace is null");
+  INDEXCP_REQUIRE(reinterpret_cast<uintptr_t>(workspace) % kCacheAlignment == 0,
+                  "workspace is not 16-byte aligned");
+  InsertLaunch L = insert_launch(cache, layer, keys, keys_bf16, slot_mapping, n, opts, workspace, status);
   if (opts.pre.rope) {
-    const auto pos = to_host(opts.pre.positions, static_cast<size_t>(n), "positions (device to host)");
-    const auto t = rope_table(pos, opts.pre.rope_theta);
+    L.rope_cs = opts.pre.rope_cos_sin;
+    L.positions = opts.pre.positions;
+    L.table_positions = opts.pre.rope_table_positions;
+  }
+  launch_insert(L, st);
+}
+
+// The synchronous form: the asynchronous kernels with a per-call workspace and status, then the
+// status read back on the caller's stream and thrown (status_error: the CPU's messages).
+void insert_sync_impl(const CacheView& cache, int32_t layer, const float* keys, const uint16_t* keys_bf16,
+                      const int64_t* slot_mapping, int64_t n, const InsertOptions& opts, cudaStream_t st) {
+  check_insert_args(cache, layer, keys ? static_cast<const void*>(keys) : keys_bf16, slot_mapping, n, opts);
+  if (n == 0) return;
+  const InsertWorkspace w = insert_workspace_layout(n);
+  Tmp<uint8_t> ws(w.total, st);
+  Tmp<InsertStatus> status(1, st);
+  check(cudaMemsetAsync(status.get(), 0, sizeof(InsertStatus), st), "cudaMemsetAsync (status)");
+  InsertLaunch L = insert_launch(cache, layer, keys, keys_bf16, slot_mapping, n, opts, ws.get(), status.get());
+  std::unique_ptr<Tmp<float>> cs_dev;
+  std::vector<float> t;
+  if (opts.pre.rope) {
+    t = rope_rows(to_host(opts.pre.positions, static_cast<size_t>(n), "positions (device to host)", st),
+                  opts.pre.rope_theta);
     cs_dev = std::make_unique<Tmp<float>>(t.size(), st);
     check(cudaMemcpyAsync(cs_dev->get(), t.data(), t.size() * sizeof(float), cudaMemcpyHostToDevice, st),
           "cudaMemcpyAsync (rope table)");
     L.rope_cs = cs_dev->get();
   }
-  L.staged = staged.get();
-  L.err = err.get();
-  L.sort_keys = sort_keys.get();
-  L.sort_temp = sort_temp.get();
-  L.sort_temp_bytes = tb;
-  check(cudaMemsetAsync(err.get(), 0xff, sizeof(unsigned long long), st), "cudaMemsetAsync");
   launch_insert(L, st);
-  unsigned long long e = 0;
-  check(cudaMemcpyAsync(&e, err.get(), sizeof(e), cudaMemcpyDeviceToHost, st), "cudaMemcpyAsync (insert status)");
+  InsertStatus h;
+  check(cudaMemcpyAsync(&h, status.get(), sizeof(h), cudaMemcpyDeviceToHost, st), "cudaMemcpyAsync (insert status)");
   check(cudaStreamSynchronize(st), "cudaStreamSynchronize (insert)");
-  if (cs_dev) check(cudaStreamSynchronize(st), "cudaStreamSynchronize");
-  if (e == ~0ull) return;
-  // Refused: rebuild the CPU's message for the first offending token.
-  const int64_t t = static_cast<int64_t>(e >> 3);
-  const int kind = static_cast<int>(e & 7);
-  int64_t s = 0;
-  check(cudaMemcpy(&s, slot_mapping + t, sizeof(s), cudaMemcpyDeviceToHost), "cudaMemcpy (slot)");
-  if (kind == 1)
-    throw Error(ErrorCode::kInvalidArgument, "slot_mapping[" + std::to_string(t) + "] = " + std::to_string(s) +
-                                                 " is outside [-1, " + std::to_string(L.num_slots) +
-                                                 ") (num_pages x page_size)");
-  if (kind == 2)
-    throw Error(ErrorCode::kInvalidArgument, "slot_mapping[" + std::to_string(t) + "] = " + std::to_string(s) +
-                                                 " repeats a slot of the same batch");
-  float k[kHeadDim];
-  if (keys) {
-    check(cudaMemcpy(k, keys + t * kHeadDim, sizeof(k), cudaMemcpyDeviceToHost), "cudaMemcpy (key)");
-  } else {
-    uint16_t kb16[kHeadDim];
-    check(cudaMemcpy(kb16, keys_bf16 + t * kHeadDim, sizeof(kb16), cudaMemcpyDeviceToHost), "cudaMemcpy (key)");
-    for (int d = 0; d < kHeadDim; ++d) k[d] = bf16_decode(kb16[d]);
-  }
-  if (kind == 3) {
-    int d = 0;
-    while (d < kHeadDim - 1 && fmt::is_finite(k[d])) ++d;
-    throw Error(ErrorCode::kInvalidArgument, "key of token " + std::to_string(t) + " holds a non-finite value (" +
-                                                 std::to_string(k[d]) + " at dim " + std::to_string(d) + ")");
-  }
-  // kind 4: non-finite after pre-processing; find the dim with the CPU's own function
-  float w[kHeadDim];
-  const float* wp = nullptr;
-  if (opts.pre.norm_weight) {
-    check(cudaMemcpy(w, opts.pre.norm_weight, sizeof(w), cudaMemcpyDeviceToHost), "cudaMemcpy (norm weight)");
-    wp = w;
-  }
-  int64_t pos = 0;
-  if (opts.pre.rope) check(cudaMemcpy(&pos, opts.pre.positions + t, sizeof(pos), cudaMemcpyDeviceToHost), "cudaMemcpy (position)");
-  float y[kHeadDim];
-  preprocess_vector(k, wp, opts.pre.eps, opts.pre.rope, opts.pre.rope_theta, pos, y);
-  int d = 0;
-  while (d < kHeadDim - 1 && fmt::is_finite(y[d])) ++d;
-  throw Error(ErrorCode::kInvalidArgument, "key of token " + std::to_string(t) +
-                                               " is non-finite after RMSNorm/RoPE (dim " + std::to_string(d) + ")");
+  throw_if_refused(h);
 }
 
-}  // namespace
-
-void insert_keys(DeviceCache& cache, int32_t layer, const float* keys, const int64_t* slot_mapping,
-                 int64_t num_tokens, const InsertOptions& opts, Stream stream) {
-  insert_impl(cache, layer, keys, nullptr, slot_mapping, num_tokens, opts, cs(stream));
-}
-
-void insert_keys_bf16(DeviceCache& cache, int32_t layer, const uint16_t* keys, const int64_t* slot_mapping,
-                      int64_t num_tokens, const InsertOptions& opts, Stream stream) {
-  INDEXCP_REQUIRE(num_tokens == 0 || keys != nullptr, "keys is null");
-  insert_impl(cache, layer, nullptr, keys, slot_mapping, num_tokens, opts, cs(stream));
-}
-
-void quantize_queries(const float* q, int64_t num_tokens, int32_t heads, const KeyPreprocess& pre, uint8_t* out,
-                      Stream stream) {
-  INDEXCP_REQUIRE(heads >= 1 && heads <= 64, "heads = " + std::to_string(heads) + " is out of range 1..64");
-  check_num_tokens(num_tokens);
-  INDEXCP_REQUIRE(num_tokens == 0 || (q != nullptr && out != nullptr), "q or out is null");
-  if (num_tokens == 0) return;  // (as insert_keys: no token, nothing else checked)
-  check_preprocess(pre);
-  const cudaStream_t st = cs(stream);
-  Tmp<unsigned long long> err(1, st);
-  std::unique_ptr<Tmp<float>> cs_dev;
+QCastLaunch qcast_launch(const float* q, int64_t num_tokens, int32_t heads, const KeyPreprocess& pre, uint8_t* out,
+                         InsertStatus* status) {
   QCastLaunch L;
   L.q = q;
   L.vectors = num_tokens * heads;
   L.heads = heads;
   L.norm_weight = pre.norm_weight;
   L.eps = pre.eps;
+  L.out = out;
+  L.status = status;
+  return L;
+}
+
+void check_qcast_args(const float* q, int64_t num_tokens, int32_t heads, const uint8_t* out) {
+  require_supported_device();
+  INDEXCP_REQUIRE(heads >= 1 && heads <= 64, "heads = " + std::to_string(heads) + " is out of range 1..64");
+  check_num_tokens(num_tokens);
+  INDEXCP_REQUIRE(num_tokens == 0 || (q != nullptr && out != nullptr), "q or out is null");
+}
+
+}  // namespace
+
+void insert_keys(const CacheView& cache, int32_t layer, const float* keys, const int64_t* slot_mapping,
+                 int64_t num_tokens, const InsertOptions& opts, Stream stream) {
+  insert_sync_impl(cache, layer, keys, nullptr, slot_mapping, num_tokens, opts, cs(stream));
+}
+
+void insert_keys_bf16(const CacheView& cache, int32_t layer, const uint16_t* keys, const int64_t* slot_mapping,
+                      int64_t num_tokens, const InsertOptions& opts, Stream stream) {
+  insert_sync_impl(cache, layer, nullptr, keys, slot_mapping, num_tokens, opts, cs(stream));
+}
+
+size_t insert_workspace_bytes(int64_t max_tokens) {
+  check_num_tokens(max_tokens);
+  return insert_workspace_layout(max_tokens).total;
+}
+
+void insert_keys_async(const CacheView& cache, int32_t layer, const float* keys, const int64_t* slot_mapping,
+                       int64_t num_tokens, const InsertOptions& opts, void* workspace, size_t workspace_bytes,
+                       InsertStatus* status, Stream stream) {
+  insert_async_impl(cache, layer, keys, nullptr, slot_mapping, num_tokens, opts, workspace, workspace_bytes, status,
+                    cs(stream));
+}
+
+void insert_keys_bf16_async(const CacheView& cache, int32_t layer, const uint16_t* keys, const int64_t* slot_mapping,
+                            int64_t num_tokens, const InsertOptions& opts, void* workspace, size_t workspace_bytes,
+                            InsertStatus* status, Stream stream) {
+  insert_async_impl(cache, layer, nullptr, keys, slot_mapping, num_tokens, opts, workspace, workspace_bytes, status,
+                    cs(stream));
+}
+
+void quantize_queries(const float* q, int64_t num_tokens, int32_t heads, const KeyPreprocess& pre, uint8_t* out,
+                      Stream stream) {
+  check_qcast_args(q, num_tokens, heads, out);
+  if (num_tokens == 0) return;  // (as insert_keys: no token, nothing else checked)
+  check_preprocess(pre);
+  const cudaStream_t st = cs(stream);
+  Tmp<InsertStatus> status(1, st);
+  check(cudaMemsetAsync(status.get(), 0, sizeof(InsertStatus), st), "cudaMemsetAsync (status)");
+  QCastLaunch L = qcast_launch(q, num_tokens, heads, pre, out, status.get());
+  std::unique_ptr<Tmp<float>> cs_dev;
+  std::vector<float> t;
   if (pre.rope) {
-    const auto pos = to_host(pre.positions, static_cast<size_t>(num_tokens), "positions (device to host)");
-    const auto t = rope_table(pos, pre.rope_theta);
+    t = rope_rows(to_host(pre.positions, static_cast<size_t>(num_tokens), "positions (device to host)", st),
+                  pre.rope_theta);
     cs_dev = std::make_unique<Tmp<float>>(t.size(), st);
     check(cudaMemcpyAsync(cs_dev->get(), t.data(), t.size() * sizeof(float), cudaMemcpyHostToDevice, st),
           "cudaMemcpyAsync (rope table)");
     L.rope_cs = cs_dev->get();
   }
-  L.out = out;
-  L.err = err.get();
-  check(cudaMemsetAsync(err.get(), 0xff, sizeof(unsigned long long), st), "cudaMemsetAsync");
   launch_qcast(L, st);
-  unsigned long long e = 0;
-  check(cudaMemcpyAsync(&e, err.get(), sizeof(e), cudaMemcpyDeviceToHost, st), "cudaMemcpyAsync (q cast status)");
+  InsertStatus h;
+  check(cudaMemcpyAsync(&h, status.get(), sizeof(h), cudaMemcpyDeviceToHost, st), "cudaMemcpyAsync (q cast status)");
   check(cudaStreamSynchronize(st), "cudaStreamSynchronize (q cast)");
-  if (e == ~0ull) return;
-  const int64_t i = static_cast<int64_t>(e / kHeadDim);
-  throw Error(ErrorCode::kInvalidArgument, "q holds NaN at token " + std::to_string(i / heads) + ", head " +
-                                               std::to_string(i % heads) + ", dim " + std::to_string(e % kHeadDim));
+  throw_if_refused(h);
+}
+
+void quantize_queries_async(const float* q, int64_t num_tokens, int32_t heads, const KeyPreprocess& pre,
+                            uint8_t* out, InsertStatus* status, Stream stream) {
+  check_qcast_args(q, num_tokens, heads, out);
+  INDEXCP_REQUIRE(status != nullptr, "status is null");
+  INDEXCP_REQUIRE(reinterpret_cast<uintptr_t>(status) % 8 == 0, "status is not 8-byte aligned");
+  check_preprocess(pre);
+  check_async_rope(pre);
+  if (num_tokens == 0) return;
+  QCastLaunch L = qcast_launch(q, num_tokens, heads, pre, out, status);
+  if (pre.rope) {
+    L.rope_cs = pre.rope_cos_sin;
+    L.positions = pre.positions;
+    L.table_positions = pre.rope_table_positions;
+  }
+  launch_qcast(L, cs(stream));
+}
+
+void fill_rope_table(float* out, int64_t num_positions, double rope_theta, Stream stream) {
+  require_supported_device();
+  INDEXCP_REQUIRE(out != nullptr, "out is null");
+  std::vector<float> t;
+  try {
+    t.resize(static_cast<size_t>(std::max<int64_t>(0, std::min<int64_t>(num_positions, int64_t{1} << 31))) * 64);
+  } catch (const std::bad_alloc&) {
+    throw Error(ErrorCode::kRuntime, "could not allocate the host RoPE table of " + std::to_string(num_positions) +
+                                         " positions");
+  }
+  indexcp::fill_rope_table(t.data(), num_positions, rope_theta);  // (checks num_positions, rope_theta)
+  const cudaStream_t st = cs(stream);
+  check(cudaMemcpyAsync(out, t.data(), t.size() * sizeof(float), cudaMemcpyHostToDevice, st),
+        "cudaMemcpyAsync (RoPE table)");
+  check(cudaStreamSynchronize(st), "cudaStreamSynchronize (RoPE table)");
+}
+
+void reset_status(InsertStatus* status, Stream stream) {
+  INDEXCP_REQUIRE(status != nullptr, "status is null");
+  check(cudaMemsetAsync(status, 0, sizeof(InsertStatus), cs(stream)), "cudaMemsetAsync (status)");
+}
+
+InsertStatus read_status(const InsertStatus* status, Stream stream) {
+  INDEXCP_REQUIRE(status != nullptr, "status is null");
+  InsertStatus h;
+  const cudaStream_t st = cs(stream);
+  check(cudaMemcpyAsync(&h, status, sizeof(h), cudaMemcpyDeviceToHost, st), "cudaMemcpyAsync (status)");
+  check(cudaStreamSynchronize(st), "cudaStreamSynchronize (status)");
+  return h;
 }
 
 // ---- validation -----------------------------------------------------------------------------
 
-void validate_decode_batch(const DecodeBatch& b, int64_t num_pages, int32_t page_size) {
+void validate_decode_batch(const DecodeBatch& b, int64_t num_pages, int32_t page_size, Stream stream) {
   check_decode_shape(b);
-  const auto seq = to_host(b.seq_lens, static_cast<size_t>(b.num_requests), "seq_lens (device to host)");
-  const auto bt = to_host(b.block_table, static_cast<size_t>(b.num_requests) * b.max_pages, "block_table (device to host)");
-  const auto q = to_host(b.q, static_cast<size_t>(b.rows()) * b.heads * kHeadDim, "q (device to host)");
+  const cudaStream_t st = cs(stream);
+  const auto seq = to_host(b.seq_lens, static_cast<size_t>(b.num_requests), "seq_lens (device to host)", st);
+  const auto bt = to_host(b.block_table, static_cast<size_t>(b.num_requests) * b.max_pages, "block_table (device to host)", st);
+  const auto q = to_host(b.q, static_cast<size_t>(b.rows()) * b.heads * kHeadDim, "q (device to host)", st);
   DecodeBatch hb = b;
   hb.seq_lens = seq.data();
   hb.block_table = bt.data();
@@ -510,20 +624,20 @@ void validate_decode_batch(const DecodeBatch& b, int64_t num_pages, int32_t page
   (void)decode_rows(hb, num_pages, page_size);
 }
 
-int64_t validate_prefill_batch(const PrefillBatch& b, int64_t num_pages, int32_t page_size) {
-  return static_cast<int64_t>(read_prefill(b, num_pages, page_size, nullptr).rows.size());
+int64_t validate_prefill_batch(const PrefillBatch& b, int64_t num_pages, int32_t page_size, Stream stream) {
+  return static_cast<int64_t>(read_prefill(b, num_pages, page_size, cs(stream)).rows.size());
 }
 
 // ---- decode ---------------------------------------------------------------------------------
 
-void decode_scores(const DeviceCache& cache, int32_t layer, const DecodeBatch& batch, int32_t h0, int32_t nh,
+void decode_scores(const CacheView& cache, int32_t layer, const DecodeBatch& batch, int32_t h0, int32_t nh,
                    KRounding mode, float* out, Stream stream, bool validate) {
   check_layer(cache, layer);
   check_not_bf16(cache);
   check_decode_shape(batch);
   check_head_range(batch.heads, h0, nh);
   check_k_rounding(mode, "mode");  // (also in decode_score_launch; here before out is filled)
-  if (validate) validate_decode_batch(batch, cache.num_pages(), cache.layout().page_size);
+  if (validate) validate_decode_batch(batch, cache.num_pages(), cache.layout().page_size, stream);
   const int64_t mb = max_blocks_of(batch.max_pages, cache.layout());
   const int64_t n = batch.rows() * nh * mb;
   INDEXCP_REQUIRE(n == 0 || out != nullptr, "out is null");
@@ -531,7 +645,7 @@ void decode_scores(const DeviceCache& cache, int32_t layer, const DecodeBatch& b
   launch_score(decode_score_launch(cache, layer, batch, h0, nh, mode, out, BlockFilter{}, true), cs(stream));
 }
 
-void decode_select(const DeviceCache& cache, int32_t layer, const DecodeBatch& batch, int32_t h0, int32_t nh,
+void decode_select(const CacheView& cache, int32_t layer, const DecodeBatch& batch, int32_t h0, int32_t nh,
                    const SelectionParams& sel, KRounding mode, int32_t* out, Stream stream, bool validate) {
   sel.validate();
   check_layer(cache, layer);
@@ -540,7 +654,7 @@ void decode_select(const DeviceCache& cache, int32_t layer, const DecodeBatch& b
                                           "); decode_select needs a replicated cache, use icp_decode");
   check_decode_shape(batch);
   check_head_range(batch.heads, h0, nh);
-  if (validate) validate_decode_batch(batch, cache.num_pages(), cache.layout().page_size);
+  if (validate) validate_decode_batch(batch, cache.num_pages(), cache.layout().page_size, stream);
   const int64_t rows = batch.rows();
   if (rows == 0) return;
   INDEXCP_REQUIRE(out != nullptr, "out is null");
@@ -560,7 +674,7 @@ void decode_select(const DeviceCache& cache, int32_t layer, const DecodeBatch& b
   launch_select(s, st);
 }
 
-void prefill_select(const DeviceCache& cache, int32_t layer, const PrefillBatch& batch, int32_t h0, int32_t nh,
+void prefill_select(const CacheView& cache, int32_t layer, const PrefillBatch& batch, int32_t h0, int32_t nh,
                     const SelectionParams& sel, int32_t* out, Stream stream) {
   sel.validate();
   check_layer(cache, layer);
@@ -589,7 +703,7 @@ void prefill_select(const DeviceCache& cache, int32_t layer, const PrefillBatch&
   check(cudaStreamSynchronize(st), "cudaStreamSynchronize (prefill_select)");
 }
 
-void prefill_scores(const DeviceCache& cache, int32_t layer, const PrefillBatch& batch, int64_t rows,
+void prefill_scores(const CacheView& cache, int32_t layer, const PrefillBatch& batch, int64_t rows,
                     int32_t max_rows_per_request, int32_t h0, int32_t nh, float* out, Stream stream) {
   check_layer(cache, layer);
   check_not_bf16(cache);
@@ -611,31 +725,32 @@ void prefill_scores(const DeviceCache& cache, int32_t layer, const PrefillBatch&
 
 // The argument checks of the collective decode paths (icp_decode: a rank shard; decode CP: a
 // replicated cache), in the order their errors are documented.
-static void check_collective_decode(Communicator& comm, const DeviceCache& cache, bool sharded, int32_t layer,
-                             const DecodeBatch& batch, const SelectionParams& sel, const int32_t* out, bool validate) {
+static void check_collective_decode(Communicator& comm, const CacheView& cache, bool sharded, int32_t layer,
+                             const DecodeBatch& batch, const SelectionParams& sel, const int32_t* out, bool validate,
+                             Stream stream) {
   sel.validate();
-  check_layer(cache, layer);
+  check_layer(cache, layer, sharded ? "shard" : "cache");
   check_not_bf16(cache);
   check_group(comm, cache, sharded);
   check_decode_shape(batch);
   check_heads_tp(batch.heads, comm.world());
-  if (validate) validate_decode_batch(batch, cache.num_pages(), cache.layout().page_size);
+  if (validate) validate_decode_batch(batch, cache.num_pages(), cache.layout().page_size, stream);
   INDEXCP_REQUIRE(batch.rows() == 0 || out != nullptr, "out is null");
 }
 
-void icp_decode(Communicator& comm, const DeviceCache& shard, int32_t layer, const DecodeBatch& batch,
+void icp_decode(Communicator& comm, const CacheView& shard, int32_t layer, const DecodeBatch& batch,
                 const SelectionParams& sel, KRounding mode, int32_t* out, Stream stream, bool validate,
                 bool p256_stock) {
-  check_collective_decode(comm, shard, true, layer, batch, sel, out, validate);
+  check_collective_decode(comm, shard, true, layer, batch, sel, out, validate, stream);
   const PageLayout& l = shard.layout();
   const bool stock = l.rows() >= kBlockTokens && (p256_stock || !(l.page_size == 256 && l.shards == 2));
   const ScoreLaunch sl = decode_score_launch(shard, layer, batch, 0, batch.heads, mode, nullptr, BlockFilter{}, stock);
   icp_select_device(comm, sl, shard, decode_rows_view(batch), sel, out, cs(stream));
 }
 
-void decode_cp_replicated(Communicator& comm, const DeviceCache& cache, int32_t layer, const DecodeBatch& batch,
+void decode_cp_replicated(Communicator& comm, const CacheView& cache, int32_t layer, const DecodeBatch& batch,
                           const SelectionParams& sel, KRounding mode, int32_t* out, Stream stream, bool validate) {
-  check_collective_decode(comm, cache, false, layer, batch, sel, out, validate);
+  check_collective_decode(comm, cache, false, layer, batch, sel, out, validate, stream);
   const ScoreLaunch sl = decode_score_launch(cache, layer, batch, 0, batch.heads, mode, nullptr,
                                              BlockFilter{comm.world(), comm.rank()}, true);
   icp_select_device(comm, sl, cache, decode_rows_view(batch), sel, out, cs(stream));
@@ -643,15 +758,15 @@ void decode_cp_replicated(Communicator& comm, const DeviceCache& cache, int32_t 
 
 // ---- prefill under ICP ------------------------------------------------------------------------
 
-void stage_fp8(const DeviceCache& shard, int32_t layer, const int32_t* pages, int64_t num_pages, uint8_t* out,
+void stage_fp8(const CacheView& shard, int32_t layer, const int32_t* pages, int64_t num_pages, uint8_t* out,
                Stream stream, bool validate) {
+  check_layer(shard, layer, "shard");
   const PageLayout& l = shard.layout();
   INDEXCP_REQUIRE(l.dtype != KvDtype::kBf16, "shard is a bf16 cache; FP8 staging needs fp8 or nvfp4");
-  check_layer(shard, layer);
   INDEXCP_REQUIRE(num_pages >= 0, "num_pages = " + std::to_string(num_pages) + " must be >= 0");
   INDEXCP_REQUIRE(num_pages == 0 || (pages != nullptr && out != nullptr), "pages or out is null");
   if (validate && num_pages > 0) {
-    const auto p = to_host(pages, static_cast<size_t>(num_pages), "pages (device to host)");
+    const auto p = to_host(pages, static_cast<size_t>(num_pages), "pages (device to host)", cs(stream));
     for (int64_t i = 0; i < num_pages; ++i)
       INDEXCP_REQUIRE(p[i] >= 0 && p[i] < shard.num_pages(), "pages[" + std::to_string(i) + "] = " + std::to_string(p[i]) +
                                                           " is outside [0, num_pages = " +
@@ -660,10 +775,10 @@ void stage_fp8(const DeviceCache& shard, int32_t layer, const int32_t* pages, in
   launch_stage_fp8(shard.layer_ptr(layer), l, shard.num_pages(), pages, num_pages, out, cs(stream));
 }
 
-GatherStats prefill_gather(Communicator& comm, const DeviceCache& shard, int32_t layer, const PrefillBatch& batch,
+GatherStats prefill_gather(Communicator& comm, const CacheView& shard, int32_t layer, const PrefillBatch& batch,
                            const SelectionParams& sel, int64_t budget_bytes, int32_t* out, Stream stream) {
   sel.validate();
-  check_layer(shard, layer);
+  check_layer(shard, layer, "shard");
   check_group(comm, shard, true);
   const PageLayout& l = shard.layout();
   INDEXCP_REQUIRE(l.dtype != KvDtype::kBf16, "shard is a bf16 cache; the gather needs fp8 or nvfp4");
@@ -761,10 +876,10 @@ GatherStats prefill_gather(Communicator& comm, const DeviceCache& shard, int32_t
   return gs;
 }
 
-void prefill_local_score(Communicator& comm, const DeviceCache& shard, int32_t layer, const PrefillBatch& batch,
+void prefill_local_score(Communicator& comm, const CacheView& shard, int32_t layer, const PrefillBatch& batch,
                          const SelectionParams& sel, int32_t* out, Stream stream) {
   sel.validate();
-  check_layer(shard, layer);
+  check_layer(shard, layer, "shard");
   check_not_bf16(shard);
   check_group(comm, shard, true);
   const HostPrefill hp = read_prefill(batch, shard.num_pages(), shard.layout().page_size, cs(stream));
@@ -931,7 +1046,7 @@ void run_device_ranks(int world, const std::function<void(int, Communicator&, St
 // ---- DecodeStep -------------------------------------------------------------------------------
 
 struct DecodeStep::Impl {
-  std::vector<const DeviceCache*> caches;
+  std::vector<CacheView> caches;
   int32_t W = 1, layer = 0;
   DecodeShape shape;
   DecodePath path = DecodePath::kReplicated;
@@ -942,7 +1057,7 @@ struct DecodeStep::Impl {
   std::vector<DeviceBuffer<int32_t>> plans; // per rank: the scorer's work plan [max_requests + 1]
   DeviceBuffer<Candidate> cands;            // [W][rows][H][kk]
 
-  const DeviceCache& cache_of(int32_t r) const { return *caches[path == DecodePath::kIcp ? r : 0]; }
+  const CacheView& cache_of(int32_t r) const { return caches[path == DecodePath::kIcp ? r : 0]; }
   void scored_heads(int32_t r, int32_t* h0, int32_t* nh) const {
     if (path == DecodePath::kReplicated) {
       owned_heads(shape.heads, W, r, h0, nh);
@@ -975,31 +1090,47 @@ struct DecodeStep::Impl {
   }
 };
 
-DecodeStep::DecodeStep(std::vector<const DeviceCache*> caches, int32_t world, int32_t layer, const DecodeShape& shape,
+namespace {
+std::vector<CacheView> views_of(const std::vector<const DeviceCache*>& caches) {
+  std::vector<CacheView> v;
+  for (size_t i = 0; i < caches.size(); ++i) {
+    INDEXCP_REQUIRE(caches[i] != nullptr, "caches[" + std::to_string(i) + "] is null");
+    v.push_back(caches[i]->view());
+  }
+  return v;
+}
+}  // namespace
+
+DecodeStep::DecodeStep(const std::vector<const DeviceCache*>& caches, int32_t world, int32_t layer,
+                       const DecodeShape& shape, DecodePath path, bool p256_stock)
+    : DecodeStep(views_of(caches), world, layer, shape, path, p256_stock) {}
+
+DecodeStep::DecodeStep(std::vector<CacheView> caches, int32_t world, int32_t layer, const DecodeShape& shape,
                        DecodePath path, bool p256_stock)
     : impl_(std::make_unique<Impl>()) {
   Impl& m = *impl_;
+  prepare_device();
   shape.sel.validate();
   INDEXCP_REQUIRE(world >= 1 && world <= 64, "world = " + std::to_string(world) + " must be in 1..64");
   check_heads_tp(shape.heads, world);
   INDEXCP_REQUIRE(shape.query_len >= 1 && shape.query_len <= 16, "query_len = " + std::to_string(shape.query_len) + " is out of range 1..16");
   INDEXCP_REQUIRE(shape.max_requests >= 1, "max_requests must be >= 1");
   INDEXCP_REQUIRE(shape.max_pages >= 1, "max_pages must be >= 1");
+  for (size_t i = 0; i < caches.size(); ++i)
+    check_cache_view(caches[i], MemoryLocation::kDevice, "caches[" + std::to_string(i) + "]");
   if (path == DecodePath::kIcp) {
     INDEXCP_REQUIRE(static_cast<int32_t>(caches.size()) == world, "caches: kIcp needs one shard per rank (" + std::to_string(world) + ")");
     for (int32_t r = 0; r < world; ++r) {
-      INDEXCP_REQUIRE(caches[r] != nullptr, "caches[" + std::to_string(r) + "] is null");
-      INDEXCP_REQUIRE(caches[r]->layout().shards == world && caches[r]->rank() == r,
+      INDEXCP_REQUIRE(caches[r].layout().shards == world && caches[r].rank() == r,
               "caches[" + std::to_string(r) + "] is not rank " + std::to_string(r) + " of " + std::to_string(world) + " shards");
     }
   } else {
-    INDEXCP_REQUIRE(!caches.empty() && caches[0] != nullptr, "caches[0] is null");
-    INDEXCP_REQUIRE(caches[0]->layout().shards == 1, "caches[0] is sharded; kReplicated and kDecodeCp need a replicated cache");
+    INDEXCP_REQUIRE(!caches.empty(), "caches[0] is missing");
+    INDEXCP_REQUIRE(caches[0].layout().shards == 1, "caches[0] is sharded; kReplicated and kDecodeCp need a replicated cache");
   }
-  for (const DeviceCache* c : caches) {
-    if (!c) continue;
-    check_layer(*c, layer);
-    check_not_bf16(*c);
+  for (const CacheView& c : caches) {
+    check_layer(c, layer);
+    check_not_bf16(c);
   }
   m.caches = caches;
   m.W = world;
@@ -1008,7 +1139,7 @@ DecodeStep::DecodeStep(std::vector<const DeviceCache*> caches, int32_t world, in
   m.path = path;
   m.p256_stock = p256_stock;
   m.max_rows = static_cast<int64_t>(shape.max_requests) * shape.query_len;
-  m.max_blocks = max_blocks_of(shape.max_pages, caches[0]->layout());
+  m.max_blocks = max_blocks_of(shape.max_pages, m.caches[0].layout());
   m.kk = shape.sel.ranked();
   for (int32_t r = 0; r < world; ++r) {
     int32_t h0, nh;

@@ -16,7 +16,6 @@ namespace indexcp::cuda::detail {
 namespace {
 
 constexpr int kWarpsPerBlock = 4;
-constexpr unsigned long long kNoError = ~0ull;
 
 __device__ __forceinline__ float load_key(const InsertLaunch& l, int64_t t, int d) {
   if (l.keys_f32) return l.keys_f32[t * kHeadDim + d];
@@ -54,37 +53,68 @@ __device__ void preprocess_warp(float* y, const float* norm_weight, float eps, c
   }
 }
 
+// The smallest d < 128 whose y[d] fails `ok`, or 128 (all lanes of the warp get it).
+template <class Ok>
+__device__ __forceinline__ unsigned first_bad_dim(const float* y, Ok ok) {
+  const int lane = threadIdx.x & 31;
+  unsigned m = kHeadDim;
+  for (int d = lane + 96; d >= 0; d -= 32)
+    if (!ok(y[d])) m = static_cast<unsigned>(d);
+  return __reduce_min_sync(0xffffffffu, m);
+}
+
+__device__ __forceinline__ unsigned long long pack_insert(int64_t t, InsertRefusal r, unsigned dim) {
+  return (static_cast<unsigned long long>(t) << 11) | (static_cast<unsigned long long>(r) << 7) | (dim & 127u);
+}
+
+// One warp per token: slot range, (duplicates: marked before by dup_kernel), finite key, RoPE
+// position, finite after RMSNorm/RoPE; a good token is quantized into the staging buffer.
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) insert_prep_kernel(const InsertLaunch l) {
   __shared__ float ybuf[kWarpsPerBlock][kHeadDim];
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
   float* y = ybuf[wib];
   const int kb = key_bytes(l.layout.dtype);
+  auto refuse = [&](int64_t t, InsertRefusal r, unsigned dim) {
+    if (lane == 0) {
+      atomicMin(&l.err[0], pack_insert(t, r, dim));
+      atomicAdd(&l.err[1], 1ull);
+    }
+  };
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + wib; t < l.n;
        t += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
     __syncwarp();  // the previous token's lanes are done with y
     const int64_t s = l.slots[t];
     if (s == -1) continue;
     if (s < -1 || s >= l.num_slots) {
-      if (lane == 0) atomicMin(l.err, (static_cast<unsigned long long>(t) << 3) | 1ull);
+      refuse(t, InsertRefusal::kSlotOutOfRange, 0);
       continue;
     }
-    bool bad = false;
-    for (int d = lane; d < kHeadDim; d += 32) {
-      const float v = load_key(l, t, d);
-      y[d] = v;
-      bad |= !fmt::is_finite(v);
-    }
-    if (__any_sync(0xffffffffu, bad)) {
-      if (lane == 0) atomicMin(l.err, (static_cast<unsigned long long>(t) << 3) | 3ull);
-      continue;
-    }
+    if (l.dup != nullptr && l.dup[t]) continue;  // refused (and counted) by dup_kernel
+    for (int d = lane; d < kHeadDim; d += 32) y[d] = load_key(l, t, d);
     __syncwarp();
+    unsigned bad = first_bad_dim(y, [](float v) { return fmt::is_finite(v); });
+    if (bad < kHeadDim) {
+      refuse(t, InsertRefusal::kNonFiniteKey, bad);
+      continue;
+    }
     if (l.norm_weight != nullptr || l.rope_cs != nullptr) {
-      preprocess_warp(y, l.norm_weight, l.eps, l.rope_cs ? l.rope_cs + t * 64 : nullptr);
-      bad = false;
-      for (int d = lane; d < kHeadDim; d += 32) bad |= !fmt::is_finite(y[d]);
-      if (__any_sync(0xffffffffu, bad)) {
-        if (lane == 0) atomicMin(l.err, (static_cast<unsigned long long>(t) << 3) | 4ull);
+      const float* cs = nullptr;
+      if (l.rope_cs != nullptr) {
+        if (l.positions != nullptr) {
+          const int64_t pos = l.positions[t];
+          if (pos < 0 || pos >= l.table_positions) {
+            refuse(t, InsertRefusal::kPositionOutOfTable, 0);
+            continue;
+          }
+          cs = l.rope_cs + pos * 64;
+        } else {
+          cs = l.rope_cs + t * 64;
+        }
+      }
+      preprocess_warp(y, l.norm_weight, l.eps, cs);
+      bad = first_bad_dim(y, [](float v) { return fmt::is_finite(v); });
+      if (bad < kHeadDim) {
+        refuse(t, InsertRefusal::kNonFiniteAfterPreprocess, bad);
         continue;
       }
     }
@@ -121,18 +151,24 @@ __global__ void iota_kernel(const int64_t* slots, int64_t n, int64_t* keys, int6
   }
 }
 
-__global__ void dup_kernel(const int64_t* keys, const int64_t* vals, int64_t n, int64_t num_slots,
+// After the stable sort by slot: every in-range slot equal to its predecessor's is a duplicate of
+// an earlier token (the CPU reports each repeat after the first). Marks every token (0 or 1).
+__global__ void dup_kernel(const int64_t* keys, const int64_t* vals, int64_t n, int64_t num_slots, uint8_t* dup,
                            unsigned long long* err) {
-  for (int64_t i = 1 + blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t s = keys[i];
-    if (s >= 0 && s < num_slots && keys[i - 1] == s)
-      atomicMin(err, (static_cast<unsigned long long>(vals[i]) << 3) | 2ull);
+    const bool d = i > 0 && s >= 0 && s < num_slots && keys[i - 1] == s;
+    dup[vals[i]] = d ? 1 : 0;
+    if (d) {
+      atomicMin(&err[0], pack_insert(vals[i], InsertRefusal::kDuplicateSlot, 0));
+      atomicAdd(&err[1], 1ull);
+    }
   }
 }
 
 __global__ void insert_write_kernel(const InsertLaunch l) {
-  if (*l.err != kNoError) return;  // a refused batch writes nothing
+  if (l.err[0] != kNoRefusal) return;  // a refused batch writes nothing
   const PageLayout L = l.layout;
   const int kb = key_bytes(L.dtype);
   for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < l.n;
@@ -156,21 +192,90 @@ __global__ void insert_write_kernel(const InsertLaunch l) {
   }
 }
 
-__global__ void e4m3_nan_kernel(const uint8_t* q, int64_t n, unsigned long long* first) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    if (e4m3_is_nan(q[i])) atomicMin(first, static_cast<unsigned long long>(i));
+// One thread: the call's first refusal into the caller's sticky status (cache.hpp, InsertStatus).
+__global__ void insert_status_kernel(const InsertLaunch l) {
+  const unsigned long long e = l.err[0];
+  if (e == kNoRefusal) return;
+  InsertStatus* st = l.status;
+  st->refused_calls += 1;
+  st->refused_tokens += static_cast<int64_t>(l.err[1]);
+  if (st->reason != 0) return;  // an earlier call's refusal stays
+  const int64_t t = static_cast<int64_t>(e >> 11);
+  const auto r = static_cast<InsertRefusal>((e >> 7) & 15u);
+  const int dim = static_cast<int>(e & 127u);
+  st->reason = static_cast<int32_t>(r);
+  st->layer = l.layer;
+  st->token = t;
+  st->value = 0;
+  st->limit = 0;
+  st->dim = -1;
+  st->head = -1;
+  st->heads = 0;
+  st->key_value = 0.0f;
+  switch (r) {
+    case InsertRefusal::kSlotOutOfRange:
+    case InsertRefusal::kDuplicateSlot:
+      st->value = l.slots[t];
+      st->limit = l.num_slots;
+      break;
+    case InsertRefusal::kNonFiniteKey:
+      st->dim = dim;
+      st->key_value = load_key(l, t, dim);
+      break;
+    case InsertRefusal::kPositionOutOfTable:
+      st->value = l.positions[t];
+      st->limit = l.table_positions;
+      break;
+    case InsertRefusal::kNonFiniteAfterPreprocess:
+      st->dim = dim;
+      break;
+    default:
+      break;
+  }
 }
 
-__global__ void qcast_check_kernel(const QCastLaunch l) {
-  const int64_t total = l.vectors * kHeadDim;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    if (fmt::is_nan(l.q[i])) atomicMin(l.err, static_cast<unsigned long long>(i));
+// One warp per q vector. Pass 0: NaN in q (every vector, before any preprocessing, as the CPU
+// checks all of q first); pass 1: the vector's RoPE position and NaN after RMSNorm/RoPE.
+__global__ void __launch_bounds__(kWarpsPerBlock * 32) qcast_check_kernel(const QCastLaunch l) {
+  __shared__ float ybuf[kWarpsPerBlock][kHeadDim];
+  const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
+  float* y = ybuf[wib];
+  unsigned long long* err = &l.status->scratch;
+  const bool has_pre = l.norm_weight != nullptr || l.rope_cs != nullptr;
+  for (int64_t v = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + wib; v < l.vectors;
+       v += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
+    __syncwarp();
+    for (int d = lane; d < kHeadDim; d += 32) y[d] = l.q[v * kHeadDim + d];
+    __syncwarp();
+    unsigned bad = first_bad_dim(y, [](float x) { return !fmt::is_nan(x); });
+    if (bad < kHeadDim) {
+      if (lane == 0) atomicMin(err, (static_cast<unsigned long long>(v) << 9) | bad);
+      continue;
+    }
+    if (!has_pre) continue;
+    const float* cs = nullptr;
+    if (l.rope_cs != nullptr) {
+      const int64_t tok = v / l.heads;
+      if (l.positions != nullptr) {
+        const int64_t pos = l.positions[tok];
+        if (pos < 0 || pos >= l.table_positions) {
+          if (lane == 0) atomicMin(err, (1ull << 60) | (static_cast<unsigned long long>(v) << 9));
+          continue;
+        }
+        cs = l.rope_cs + pos * 64;
+      } else {
+        cs = l.rope_cs + tok * 64;
+      }
+    }
+    preprocess_warp(y, l.norm_weight, l.eps, cs);
+    bad = first_bad_dim(y, [](float x) { return !fmt::is_nan(x); });
+    if (bad < kHeadDim && lane == 0)
+      atomicMin(err, (1ull << 60) | (static_cast<unsigned long long>(v) << 9) | (1ull << 8) | bad);
+  }
 }
 
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) qcast_kernel(const QCastLaunch l) {
-  if (*l.err != kNoError) return;
+  if (l.status->scratch != kNoRefusal) return;
   __shared__ float ybuf[kWarpsPerBlock][kHeadDim];
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
   float* y = ybuf[wib];
@@ -178,11 +283,46 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) qcast_kernel(const QCastL
        v += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
     for (int d = lane; d < kHeadDim; d += 32) y[d] = l.q[v * kHeadDim + d];
     __syncwarp();
-    if (l.norm_weight != nullptr || l.rope_cs != nullptr)
-      preprocess_warp(y, l.norm_weight, l.eps, l.rope_cs ? l.rope_cs + (v / l.heads) * 64 : nullptr);
+    if (l.norm_weight != nullptr || l.rope_cs != nullptr) {
+      const int64_t tok = v / l.heads;
+      const float* cs = l.rope_cs == nullptr ? nullptr
+                        : l.positions != nullptr ? l.rope_cs + l.positions[tok] * 64
+                                                 : l.rope_cs + tok * 64;
+      preprocess_warp(y, l.norm_weight, l.eps, cs);
+    }
     for (int d = lane; d < kHeadDim; d += 32) l.out[v * kHeadDim + d] = e4m3_encode(y[d]);
     __syncwarp();
   }
+}
+
+__global__ void qcast_status_kernel(const QCastLaunch l) {
+  InsertStatus* st = l.status;
+  const unsigned long long e = st->scratch;
+  if (e == kNoRefusal) return;
+  st->refused_calls += 1;
+  st->refused_tokens += 1;
+  if (st->reason != 0) return;
+  const bool per_vector = (e >> 60) != 0;
+  const int64_t v = static_cast<int64_t>((e & ((1ull << 60) - 1)) >> 9);
+  const bool after = ((e >> 8) & 1u) != 0;
+  const auto r = !per_vector ? InsertRefusal::kQueryNaN
+                 : after     ? InsertRefusal::kQueryNaNAfterPreprocess
+                             : InsertRefusal::kPositionOutOfTable;
+  st->reason = static_cast<int32_t>(r);
+  st->layer = -1;
+  st->token = v / l.heads;
+  st->head = static_cast<int32_t>(v % l.heads);
+  st->heads = l.heads;
+  st->dim = r == InsertRefusal::kPositionOutOfTable ? -1 : static_cast<int32_t>(e & 127u);
+  st->key_value = 0.0f;
+  st->value = r == InsertRefusal::kPositionOutOfTable ? l.positions[v / l.heads] : 0;
+  st->limit = r == InsertRefusal::kPositionOutOfTable ? l.table_positions : 0;
+}
+
+__global__ void e4m3_nan_kernel(const uint8_t* q, int64_t n, unsigned long long* first) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    if (e4m3_is_nan(q[i])) atomicMin(first, static_cast<unsigned long long>(i));
 }
 
 unsigned grid_for(int64_t items, int per_block) {
@@ -190,21 +330,42 @@ unsigned grid_for(int64_t items, int per_block) {
   return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(b, 65535)));
 }
 
+size_t align256(size_t x) { return (x + 255) & ~size_t{255}; }
+
 }  // namespace
 
-size_t insert_sort_temp_bytes(int64_t n) {
-  size_t bytes = 0;
-  check(cub::DeviceRadixSort::SortPairs(nullptr, bytes, static_cast<const int64_t*>(nullptr),
-                                        static_cast<int64_t*>(nullptr), static_cast<const int64_t*>(nullptr),
-                                        static_cast<int64_t*>(nullptr), n),
-        "cub::DeviceRadixSort::SortPairs (size query)");
-  return bytes;
+InsertWorkspace insert_workspace_layout(int64_t n) {
+  InsertWorkspace w;
+  if (n <= 0) return w;
+  size_t tb = 0;
+  if (n > 1)
+    check(cub::DeviceRadixSort::SortPairs(nullptr, tb, static_cast<const int64_t*>(nullptr),
+                                          static_cast<int64_t*>(nullptr), static_cast<const int64_t*>(nullptr),
+                                          static_cast<int64_t*>(nullptr), n),
+          "cub::DeviceRadixSort::SortPairs (size query)");
+  const size_t un = static_cast<size_t>(n);
+  size_t o = 0;
+  w.err = o;
+  o = align256(o + 2 * sizeof(unsigned long long));
+  w.staged = o;
+  o = align256(o + un * key_bytes(KvDtype::kBf16));  // the largest row: one layout for every dtype
+  w.dup = o;
+  o = align256(o + un);
+  w.sort_keys = o;
+  o = align256(o + 4 * un * sizeof(int64_t));
+  w.sort_temp = o;
+  w.sort_temp_bytes = tb;
+  o = align256(o + tb);
+  w.total = o;
+  return w;
 }
 
 void launch_insert(const InsertLaunch& l, cudaStream_t stream) {
   if (l.n <= 0) return;
-  insert_prep_kernel<<<grid_for(l.n, kWarpsPerBlock), kWarpsPerBlock * 32, 0, stream>>>(l);
-  INDEXCP_CUDA_LAUNCH_CHECK("insert prep kernel launch");
+  check(cudaMemsetAsync(l.err, 0xff, sizeof(unsigned long long), stream), "cudaMemsetAsync (insert refusal)");
+  check(cudaMemsetAsync(l.err + 1, 0, sizeof(unsigned long long), stream), "cudaMemsetAsync (insert count)");
+  InsertLaunch p = l;
+  p.dup = nullptr;
   if (l.n > 1) {
     int64_t* k_in = l.sort_keys;
     int64_t* v_in = l.sort_keys + l.n;
@@ -215,11 +376,16 @@ void launch_insert(const InsertLaunch& l, cudaStream_t stream) {
     size_t tb = l.sort_temp_bytes;
     check(cub::DeviceRadixSort::SortPairs(l.sort_temp, tb, k_in, k_out, v_in, v_out, l.n, 0, 64, stream),
           "cub::DeviceRadixSort::SortPairs (duplicate slots)");
-    dup_kernel<<<grid_for(l.n, 256), 256, 0, stream>>>(k_out, v_out, l.n, l.num_slots, l.err);
+    dup_kernel<<<grid_for(l.n, 256), 256, 0, stream>>>(k_out, v_out, l.n, l.num_slots, l.dup, l.err);
     INDEXCP_CUDA_LAUNCH_CHECK("insert duplicate kernel launch");
+    p.dup = l.dup;
   }
-  insert_write_kernel<<<grid_for(l.n, 256), 256, 0, stream>>>(l);
+  insert_prep_kernel<<<grid_for(l.n, kWarpsPerBlock), kWarpsPerBlock * 32, 0, stream>>>(p);
+  INDEXCP_CUDA_LAUNCH_CHECK("insert prep kernel launch");
+  insert_write_kernel<<<grid_for(l.n, 256), 256, 0, stream>>>(p);
   INDEXCP_CUDA_LAUNCH_CHECK("insert write kernel launch");
+  insert_status_kernel<<<1, 1, 0, stream>>>(p);
+  INDEXCP_CUDA_LAUNCH_CHECK("insert status kernel launch");
 }
 
 void launch_e4m3_nan_check(const uint8_t* q, int64_t n, unsigned long long* first, cudaStream_t stream) {
@@ -230,10 +396,14 @@ void launch_e4m3_nan_check(const uint8_t* q, int64_t n, unsigned long long* firs
 
 void launch_qcast(const QCastLaunch& l, cudaStream_t stream) {
   if (l.vectors <= 0) return;
-  qcast_check_kernel<<<grid_for(l.vectors * kHeadDim, 256), 256, 0, stream>>>(l);
+  check(cudaMemsetAsync(&l.status->scratch, 0xff, sizeof(unsigned long long), stream),
+        "cudaMemsetAsync (q cast refusal)");
+  qcast_check_kernel<<<grid_for(l.vectors, kWarpsPerBlock), kWarpsPerBlock * 32, 0, stream>>>(l);
   INDEXCP_CUDA_LAUNCH_CHECK("q cast check kernel launch");
   qcast_kernel<<<grid_for(l.vectors, kWarpsPerBlock), kWarpsPerBlock * 32, 0, stream>>>(l);
   INDEXCP_CUDA_LAUNCH_CHECK("q cast kernel launch");
+  qcast_status_kernel<<<1, 1, 0, stream>>>(l);
+  INDEXCP_CUDA_LAUNCH_CHECK("q cast status kernel launch");
 }
 
 }  // namespace indexcp::cuda::detail

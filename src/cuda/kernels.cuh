@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "indexcp/cache.hpp"
 #include "indexcp/icp.hpp"
 #include "indexcp/indexer.hpp"
 #include "indexcp/layout.hpp"
@@ -97,15 +98,25 @@ void launch_stage_fp8(const uint8_t* layer_base, const PageLayout& layout, int64
 
 /// Uploads the E4M3 k_hat table (|e2m1 code| x |scale| rounded to E4M3, per scale byte) to the
 /// current device once. Call before any graph capture (DeviceCache's constructor does).
-void ensure_tables();
+/// (With `stream`: refuses, naming cuda::prepare_device, when the tables are missing and the
+/// stream is being captured, instead of a synchronous upload that would break the capture.)
+void ensure_tables(cudaStream_t stream = nullptr);
 
 // ---- insert / q cast ----------------------------------------------------------------------
+
+// Refusals found by the validation kernels are packed so that atomicMin keeps the first one in
+// the CPU's order (include/indexcp/cache.hpp, InsertRefusal): insert (token << 11) | (reason << 7)
+// | dim; Q cast (class << 60) | (vector << 9) | (after << 8) | dim, class 0 = NaN in q (checked
+// for every vector before any preprocessing), class 1 = the vector's position or NaN after
+// RMSNorm/RoPE (after = 1). ~0 = none.
+inline constexpr unsigned long long kNoRefusal = ~0ull;
 
 struct InsertLaunch {
   const float* keys_f32 = nullptr;     ///< one of these two
   const uint16_t* keys_bf16 = nullptr;
   const int64_t* slots = nullptr;
   int64_t n = 0;
+  int32_t layer = 0;
   uint8_t* layer_base = nullptr;
   PageLayout layout;
   int32_t rank = 0;
@@ -113,16 +124,28 @@ struct InsertLaunch {
   float encode_scale = 1.0f;
   const float* norm_weight = nullptr;  ///< device [128] or null
   float eps = 1e-6f;
-  const float* rope_cs = nullptr;      ///< device [n][64]: cos[32] then sin[32] per token, or null
-  uint8_t* staged = nullptr;           ///< device [n][key_bytes]
-  unsigned long long* err = nullptr;   ///< device: min over (token << 3 | kind); ~0 = none
-  int64_t* sort_keys = nullptr;        ///< device scratch for the duplicate check [4][n] int64
+  /// cos/sin rows ([.][64]: cos[32] then sin[32]) or null: row t (positions == null, the
+  /// synchronous call's per-token table) or row positions[t] of a [table_positions] table
+  const float* rope_cs = nullptr;
+  const int64_t* positions = nullptr;
+  int64_t table_positions = 0;
+  // workspace (insert_workspace_layout)
+  uint8_t* staged = nullptr;           ///< [n][key_bytes]
+  unsigned long long* err = nullptr;   ///< [2]: the first refusal (packed), refused tokens
+  uint8_t* dup = nullptr;              ///< [n]: 1 where the token repeats an earlier slot
+  int64_t* sort_keys = nullptr;        ///< [4][n] int64
   void* sort_temp = nullptr;
   size_t sort_temp_bytes = 0;
+  InsertStatus* status = nullptr;      ///< the caller's sticky status (device)
 };
-/// Temporary bytes the duplicate check needs for n tokens.
-size_t insert_sort_temp_bytes(int64_t n);
-/// validate + quantize to staging, duplicate check, conditional write.
+/// The workspace of an insert of n tokens of this dtype: every sub-buffer's offset and the total,
+/// computed by the one function that also lays it out (offsets are multiples of 256).
+struct InsertWorkspace {
+  size_t staged = 0, err = 0, dup = 0, sort_keys = 0, sort_temp = 0, sort_temp_bytes = 0, total = 0;
+};
+InsertWorkspace insert_workspace_layout(int64_t n);
+/// validate (duplicates first, then each token), quantize to staging, record the refusal in the
+/// status, write only when nothing was refused. Enqueues only (no host synchronization).
 void launch_insert(const InsertLaunch& l, cudaStream_t stream);
 
 struct QCastLaunch {
@@ -131,9 +154,11 @@ struct QCastLaunch {
   int32_t heads = 1;
   const float* norm_weight = nullptr;
   float eps = 1e-6f;
-  const float* rope_cs = nullptr;  ///< [num_tokens][64]
+  const float* rope_cs = nullptr;      ///< as InsertLaunch (rows per token, or a table)
+  const int64_t* positions = nullptr;
+  int64_t table_positions = 0;
   uint8_t* out = nullptr;
-  unsigned long long* err = nullptr;  ///< min linear index of a NaN element
+  InsertStatus* status = nullptr;      ///< the caller's sticky status; its scratch word is used
 };
 void launch_qcast(const QCastLaunch& l, cudaStream_t stream);
 

@@ -1105,12 +1105,19 @@ int sm_count() {
   return n;
 }
 
-void ensure_tables() {
+void ensure_tables(cudaStream_t stream) {
   int dev = 0;
   check(cudaGetDevice(&dev), "cudaGetDevice");
   std::lock_guard<std::mutex> lk(g_tables_mu);
   if (static_cast<int>(g_tables_done.size()) <= dev) g_tables_done.resize(dev + 1, 0);
   if (g_tables_done[dev]) return;
+  // the first use on a device uploads the tables (a synchronous copy): never inside a capture
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  if (stream != nullptr && cudaStreamIsCapturing(stream, &capturing) == cudaSuccess &&
+      capturing != cudaStreamCaptureStatusNone)
+    throw Error(ErrorCode::kInvalidArgument,
+                "stream is being captured but device " + std::to_string(dev) +
+                    " was not prepared: call cuda::prepare_device() (or create a DeviceCache) before the capture");
   uint2 t[256];
   for (int s = 0; s < 256; ++s) {
     const uint8_t mag_scale = static_cast<uint8_t>(s & 0x7f);  // the sign is applied to the codes
@@ -1165,7 +1172,7 @@ void launch_score(const ScoreLaunch& s, cudaStream_t stream) {
   const int64_t gy = ceil_div(nvec_max, nt * 8);
   INDEXCP_REQUIRE(gy <= 65535, "score launch too large (rows of one request x heads)");
   const dim3 grid(1, static_cast<unsigned>(gy));
-  ensure_tables();
+  ensure_tables(stream);
   if (s.keys.gather) {
     launch_nt<kModeFp8, false, true>(nt, a, grid, stream);
   } else {

@@ -520,7 +520,7 @@ TEST(GpuCases, C05_FutureStaysInvisible) {
         cuda::decode_select(dev[0], 0, d.b, 0, 1, SelectionParams{}, KRounding::kE4m3, out.get(), nullptr);
       } else {
         const cuda::DecodeShape shape = decode_shape(1, view.max_pages, 8, 1);
-        cuda::DecodeStep step({&dev[0], &dev[1]}, 2, 0, shape, cuda::DecodePath::kIcp);
+        cuda::DecodeStep step(std::vector<const cuda::DeviceCache*>{&dev[0], &dev[1]}, 2, 0, shape, cuda::DecodePath::kIcp);
         step.run(d.b, out.get(), nullptr);
         CUDA_OK(cudaDeviceSynchronize());
       }

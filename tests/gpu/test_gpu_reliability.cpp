@@ -501,8 +501,8 @@ TEST(GpuReliabilityDeterminism, BitIdenticalAcrossGridSizesRunsAndStreams) {
       CUDA_OK(cudaStreamCreateWithFlags(&sb, cudaStreamNonBlocking));
       {
         shape.mode = KRounding::kE4m3;
-        cuda::DecodeStep step_a({&shards[0], &shards[1]}, W, 0, shape, cuda::DecodePath::kIcp);
-        cuda::DecodeStep step_b({&shards[0], &shards[1]}, W, 0, shape, cuda::DecodePath::kIcp);
+        cuda::DecodeStep step_a(std::vector<const cuda::DeviceCache*>{&shards[0], &shards[1]}, W, 0, shape, cuda::DecodePath::kIcp);
+        cuda::DecodeStep step_b(std::vector<const cuda::DeviceCache*>{&shards[0], &shards[1]}, W, 0, shape, cuda::DecodePath::kIcp);
         DevArr<float> sca(static_cast<size_t>(rows) * H * mb), scb(sca.size());
         DevArr<int32_t> oa(nsel), ob(nsel), oc(nsel), ia(nsel), ib(nsel);
         cuda::decode_scores(repl[0], 0, d.b, 0, H, KRounding::kE4m3, sca.get(), ist(sa), false);
@@ -564,7 +564,7 @@ void expect_decode_works(const SmallScene& s, const std::vector<cuda::DeviceCach
     shape.max_pages = s.req.max_pages;
     shape.query_len = s.Q;
     shape.heads = s.H;
-    cuda::DecodeStep step({&shards[0], &shards[1]}, s.W, 0, shape, cuda::DecodePath::kIcp);
+    cuda::DecodeStep step(std::vector<const cuda::DeviceCache*>{&shards[0], &shards[1]}, s.W, 0, shape, cuda::DecodePath::kIcp);
     step.run(d.b, b.get(), nullptr);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << when;
     EXPECT_EQ(a.host(), s.cpu) << "decode_select " << when;
@@ -647,7 +647,7 @@ TEST(GpuReliabilityFaults, AllocationFailuresThrowRuntimeErrorsAndTheLibraryKeep
     const int reps = 64;
     for (int i = 0; i < reps; ++i) {
       try {
-        cuda::DecodeStep huge({&shards[0], &shards[1]}, s.W, 0, shape, cuda::DecodePath::kIcp);
+        cuda::DecodeStep huge(std::vector<const cuda::DeviceCache*>{&shards[0], &shards[1]}, s.W, 0, shape, cuda::DecodePath::kIcp);
         ADD_FAILURE() << "a DecodeStep with 549 GB of candidate workspace was constructed";
         break;
       } catch (const Error& e) {
@@ -863,7 +863,7 @@ enum class FaultVariant {
         shape.max_pages = s->req.max_pages;
         shape.query_len = s->Q;
         shape.heads = s->H;
-        auto* step = new cuda::DecodeStep({&(*shards)[0], &(*shards)[1]}, s->W, 0, shape, cuda::DecodePath::kIcp);
+        auto* step = new cuda::DecodeStep(std::vector<const cuda::DeviceCache*>{&(*shards)[0], &(*shards)[1]}, s->W, 0, shape, cuda::DecodePath::kIcp);
         step->run(bad, out->get(), nullptr);
         stage = "the next synchronizing call (prefill_select)";
         // a valid prefill batch: 2 rows of each live request (request 2 is padded: no rows)
