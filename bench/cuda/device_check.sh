@@ -183,7 +183,7 @@ do_quickbench() {
   log "torch baseline (quick) rc=$?"
 }
 
-# The engine API (issue 22): memcheck, initcheck and racecheck over the GpuEngine tests (views,
+# The engine API (issue 22): memcheck, initcheck and racecheck over the GpuEngine and GpuInsert tests (views,
 # the asynchronous insert / Q cast and their status, graph capture, the caller's stream), then
 # `bench insert` at one decode step's tokens (64 requests x 8 = 512) and a prefill-sized batch:
 # the synchronous call against insert_keys_async in a CUDA graph.
@@ -191,9 +191,9 @@ do_engine() {
   local bin=$BUILD_DIR/tests/test_gpu tool d
   d=$(date +%Y-%m-%d)
   for tool in memcheck initcheck racecheck; do
-    timeout "${SAN_TIMEOUT:-300}" compute-sanitizer --tool $tool --error-exitcode 9 "$bin" --gtest_filter='GpuEngine.*' \
+    timeout "${SAN_TIMEOUT:-300}" compute-sanitizer --tool $tool --error-exitcode 9 "$bin" --gtest_filter="${ENGINE_FILTER:-GpuEngine.*:GpuInsert.*}" \
       --gtest_color=no > "$RES/san-engine-$tool.log" 2>&1
-    log "$tool GpuEngine.* rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|^\[  (PASSED|FAILED) \]' "$RES/san-engine-$tool.log" | tr '\n' ' ')"
+    log "$tool ${ENGINE_FILTER:-GpuEngine.*:GpuInsert.*} rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|^\[  (PASSED|FAILED) \]' "$RES/san-engine-$tool.log" | tr '\n' ' ')"
   done
   bench "insert-async-h200-$d" insert --tokens 512,8192
 }

@@ -324,7 +324,10 @@ DeviceCache::DeviceCache(const PageLayout& layout, int64_t num_pages, int32_t nu
                                          cudaGetErrorString(e) + ")");
   }
   data_ = static_cast<uint8_t*>(p);
+  // cudaMemset is asynchronous on the legacy stream: wait for it, so that the caller's work on any
+  // stream (non-blocking ones are not ordered after the legacy stream) sees a zeroed cache
   INDEXCP_CUDA_CHECK(cudaMemset(data_, 0, static_cast<size_t>(bytes)));
+  INDEXCP_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
 }
 
 CacheView DeviceCache::view() const {
@@ -362,7 +365,10 @@ static void check_same_geometry(const CacheView& d, const IndexCache& h) {
 
 void DeviceCache::upload(const IndexCache& host) {
   check_same_geometry(*this, host);
+  // a copy from pageable memory may return before its DMA lands: wait for it (the caller may use
+  // the cache on a non-blocking stream next)
   INDEXCP_CUDA_CHECK(cudaMemcpy(data_, host.data(), static_cast<size_t>(size_bytes()), cudaMemcpyHostToDevice));
+  INDEXCP_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
 }
 
 void DeviceCache::download(IndexCache& host) const {

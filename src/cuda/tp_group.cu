@@ -24,7 +24,12 @@ template <class T>
 struct Dev {
   cuda::detail::DeviceBuffer<T> buf;
   Dev(const T* host, size_t n) : buf(n) {
-    if (n) cuda::detail::check(cudaMemcpy(buf.get(), host, n * sizeof(T), cudaMemcpyHostToDevice), "cudaMemcpy (upload)");
+    if (n) {
+      cuda::detail::check(cudaMemcpy(buf.get(), host, n * sizeof(T), cudaMemcpyHostToDevice), "cudaMemcpy (upload)");
+      // a copy from pageable memory may return before its DMA lands, and the ranks read the batch
+      // on their own non-blocking streams (the validating read-backs too): wait for it
+      cuda::detail::check(cudaStreamSynchronize(cudaStreamLegacy), "cudaStreamSynchronize (upload)");
+    }
   }
   T* get() const { return buf.get(); }
 };

@@ -35,6 +35,7 @@ class DevArr {
   explicit DevArr(const std::vector<T>& h) {
     alloc(h.size());
     if (!h.empty()) cudaMemcpy(p_, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice);
+    cudaDeviceSynchronize();  // pageable copies may return before the DMA lands (non-blocking streams next)
   }
   ~DevArr() {
     if (p_) cudaFree(p_);
@@ -51,8 +52,12 @@ class DevArr {
   void upload(const std::vector<T>& h) {
     if (h.size() != n_) alloc(h.size());
     if (!h.empty()) cudaMemcpy(p_, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice);
+    cudaDeviceSynchronize();
   }
-  void fill_bytes(int v) { cudaMemset(p_, v, (n_ ? n_ : 1) * sizeof(T)); }
+  void fill_bytes(int v) {
+    cudaMemset(p_, v, (n_ ? n_ : 1) * sizeof(T));  // asynchronous on the legacy stream
+    cudaDeviceSynchronize();
+  }
   std::vector<T> host() const {
     std::vector<T> h(n_);
     if (n_) cudaMemcpy(h.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost);
