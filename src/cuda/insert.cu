@@ -3,6 +3,7 @@
 // functions, so the bytes are the CPU reference's; the optional RMSNorm and RoPE are written as
 // the spec orders them (separately rounded fp32 operations; this file is compiled with
 // -fmad=false; cos/sin come from the host, computed in double exactly as the CPU does).
+#include <cub/block/block_radix_sort.cuh>
 #include <cub/device/device_radix_sort.cuh>
 
 #include <algorithm>
@@ -143,10 +144,62 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) insert_prep_kernel(const 
   }
 }
 
-__global__ void iota_kernel(const int64_t* slots, int64_t n, int64_t* keys, int64_t* vals) {
+// The duplicate check sorts (slot, token) pairs by slot. Keys: an in-range slot, or num_slots
+// for a skipped or out-of-range one (sorted last, never a duplicate), so the sort needs only the
+// bits of num_slots (sort_bits) instead of 64.
+__device__ __forceinline__ int64_t dup_key(int64_t s, int64_t num_slots) {
+  return s >= 0 && s < num_slots ? s : num_slots;
+}
+
+__device__ __forceinline__ void mark_dup(int64_t token, bool d, uint8_t* dup, unsigned long long* err) {
+  dup[token] = d ? 1 : 0;
+  if (d) {
+    atomicMin(&err[0], pack_insert(token, InsertRefusal::kDuplicateSlot, 0));
+    atomicAdd(&err[1], 1ull);
+  }
+}
+
+// Small batches (n <= kDupBlockMax): the whole duplicate check in one CTA (a stable block radix
+// sort in shared memory), which also initializes the call's refusal words.
+constexpr int kDupThreads = 256, kDupItems = 8;
+constexpr int64_t kDupBlockMax = int64_t{kDupThreads} * kDupItems;
+
+__global__ void __launch_bounds__(kDupThreads) dup_block_kernel(const int64_t* slots, int64_t n, int64_t num_slots,
+                                                                int sort_bits, uint8_t* dup, unsigned long long* err) {
+  using Sort = cub::BlockRadixSort<int64_t, kDupThreads, kDupItems, int32_t>;
+  __shared__ typename Sort::TempStorage tmp;
+  __shared__ int64_t sorted[kDupBlockMax];
+  if (threadIdx.x == 0) {
+    err[0] = kNoRefusal;
+    err[1] = 0;
+  }
+  int64_t k[kDupItems];
+  int32_t v[kDupItems];
+  for (int j = 0; j < kDupItems; ++j) {  // blocked arrangement: item r is token r (stable order)
+    const int64_t i = static_cast<int64_t>(threadIdx.x) * kDupItems + j;
+    k[j] = i < n ? dup_key(slots[i], num_slots) : num_slots;
+    v[j] = i < n ? static_cast<int32_t>(i) : -1;
+  }
+  Sort(tmp).Sort(k, v, 0, sort_bits);  // stable: equal slots keep token order
+  for (int j = 0; j < kDupItems; ++j) sorted[threadIdx.x * kDupItems + j] = k[j];
+  __syncthreads();  // (also orders the refusal words' initialization before the atomics)
+  for (int j = 0; j < kDupItems; ++j) {
+    const int r = threadIdx.x * kDupItems + j;
+    if (v[j] < 0) continue;
+    mark_dup(v[j], r > 0 && k[j] != num_slots && sorted[r - 1] == k[j], dup, err);
+  }
+}
+
+// Larger batches: keys and token ids for a device-wide radix sort (and the refusal words).
+__global__ void iota_kernel(const int64_t* slots, int64_t n, int64_t num_slots, int64_t* keys, int64_t* vals,
+                            unsigned long long* err) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    err[0] = kNoRefusal;
+    err[1] = 0;
+  }
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    keys[i] = slots[i];
+    keys[i] = dup_key(slots[i], num_slots);
     vals[i] = i;
   }
 }
@@ -158,42 +211,13 @@ __global__ void dup_kernel(const int64_t* keys, const int64_t* vals, int64_t n, 
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t s = keys[i];
-    const bool d = i > 0 && s >= 0 && s < num_slots && keys[i - 1] == s;
-    dup[vals[i]] = d ? 1 : 0;
-    if (d) {
-      atomicMin(&err[0], pack_insert(vals[i], InsertRefusal::kDuplicateSlot, 0));
-      atomicAdd(&err[1], 1ull);
-    }
+    mark_dup(vals[i], i > 0 && s != num_slots && keys[i - 1] == s, dup, err);
   }
 }
 
-__global__ void insert_write_kernel(const InsertLaunch l) {
-  if (l.err[0] != kNoRefusal) return;  // a refused batch writes nothing
-  const PageLayout L = l.layout;
-  const int kb = key_bytes(L.dtype);
-  for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < l.n;
-       t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t s = l.slots[t];
-    if (s < 0) continue;
-    const SlotLocation loc = locate_slot(L, s);
-    if (loc.rank != l.rank) continue;  // another rank owns this row
-    uint8_t* page = l.layer_base + L.page_offset(loc.page);
-    const uint8_t* src = l.staged + t * kb;
-    if (L.dtype == KvDtype::kNvfp4) {
-      uint8_t* d = page + L.row_data_offset(loc.row);
-      for (int j = 0; j < kNvfp4DataBytesPerKey; j += 8)
-        *reinterpret_cast<uint2*>(d + j) = *reinterpret_cast<const uint2*>(src + j);
-      *reinterpret_cast<uint2*>(page + L.row_scale_offset(loc.row)) =
-          *reinterpret_cast<const uint2*>(src + kNvfp4DataBytesPerKey);
-    } else {
-      uint8_t* d = page + L.row_data_offset(loc.row);
-      for (int j = 0; j < kb; j += 8) *reinterpret_cast<uint2*>(d + j) = *reinterpret_cast<const uint2*>(src + j);
-    }
-  }
-}
-
-// One thread: the call's first refusal into the caller's sticky status (cache.hpp, InsertStatus).
-__global__ void insert_status_kernel(const InsertLaunch l) {
+// The call's first refusal into the caller's sticky status (cache.hpp, InsertStatus); one thread,
+// after validation (the refusal words are final).
+__device__ void insert_status_update(const InsertLaunch& l) {
   const unsigned long long e = l.err[0];
   if (e == kNoRefusal) return;
   InsertStatus* st = l.status;
@@ -231,6 +255,33 @@ __global__ void insert_status_kernel(const InsertLaunch l) {
       break;
     default:
       break;
+  }
+}
+
+// The write (only when nothing was refused) and, by its first thread, the status update.
+__global__ void insert_write_kernel(const InsertLaunch l) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) insert_status_update(l);
+  if (l.err[0] != kNoRefusal) return;  // a refused batch writes nothing
+  const PageLayout L = l.layout;
+  const int kb = key_bytes(L.dtype);
+  for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < l.n;
+       t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t s = l.slots[t];
+    if (s < 0) continue;
+    const SlotLocation loc = locate_slot(L, s);
+    if (loc.rank != l.rank) continue;  // another rank owns this row
+    uint8_t* page = l.layer_base + L.page_offset(loc.page);
+    const uint8_t* src = l.staged + t * kb;
+    if (L.dtype == KvDtype::kNvfp4) {
+      uint8_t* d = page + L.row_data_offset(loc.row);
+      for (int j = 0; j < kNvfp4DataBytesPerKey; j += 8)
+        *reinterpret_cast<uint2*>(d + j) = *reinterpret_cast<const uint2*>(src + j);
+      *reinterpret_cast<uint2*>(page + L.row_scale_offset(loc.row)) =
+          *reinterpret_cast<const uint2*>(src + kNvfp4DataBytesPerKey);
+    } else {
+      uint8_t* d = page + L.row_data_offset(loc.row);
+      for (int j = 0; j < kb; j += 8) *reinterpret_cast<uint2*>(d + j) = *reinterpret_cast<const uint2*>(src + j);
+    }
   }
 }
 
@@ -274,7 +325,11 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) qcast_check_kernel(const 
   }
 }
 
+__device__ void qcast_status_update(const QCastLaunch& l);
+
+// The cast (only when nothing was refused) and, by its first thread, the status update.
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) qcast_kernel(const QCastLaunch l) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) qcast_status_update(l);
   if (l.status->scratch != kNoRefusal) return;
   __shared__ float ybuf[kWarpsPerBlock][kHeadDim];
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
@@ -295,7 +350,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) qcast_kernel(const QCastL
   }
 }
 
-__global__ void qcast_status_kernel(const QCastLaunch l) {
+__device__ void qcast_status_update(const QCastLaunch& l) {
   InsertStatus* st = l.status;
   const unsigned long long e = st->scratch;
   if (e == kNoRefusal) return;
@@ -360,21 +415,33 @@ InsertWorkspace insert_workspace_layout(int64_t n) {
   return w;
 }
 
+int sort_bits(int64_t num_slots) {  // bits of the largest key (num_slots, the sentinel)
+  int b = 1;
+  while (b < 63 && (int64_t{1} << b) <= num_slots) ++b;
+  return b;
+}
+
 void launch_insert(const InsertLaunch& l, cudaStream_t stream) {
   if (l.n <= 0) return;
-  check(cudaMemsetAsync(l.err, 0xff, sizeof(unsigned long long), stream), "cudaMemsetAsync (insert refusal)");
-  check(cudaMemsetAsync(l.err + 1, 0, sizeof(unsigned long long), stream), "cudaMemsetAsync (insert count)");
   InsertLaunch p = l;
   p.dup = nullptr;
-  if (l.n > 1) {
+  const int bits = sort_bits(l.num_slots);
+  if (l.n == 1) {  // no duplicate possible
+    check(cudaMemsetAsync(l.err, 0xff, sizeof(unsigned long long), stream), "cudaMemsetAsync (insert refusal)");
+    check(cudaMemsetAsync(l.err + 1, 0, sizeof(unsigned long long), stream), "cudaMemsetAsync (insert count)");
+  } else if (l.n <= kDupBlockMax) {
+    dup_block_kernel<<<1, kDupThreads, 0, stream>>>(l.slots, l.n, l.num_slots, bits, l.dup, l.err);
+    INDEXCP_CUDA_LAUNCH_CHECK("insert duplicate kernel launch");
+    p.dup = l.dup;
+  } else {
     int64_t* k_in = l.sort_keys;
     int64_t* v_in = l.sort_keys + l.n;
     int64_t* k_out = l.sort_keys + 2 * l.n;
     int64_t* v_out = l.sort_keys + 3 * l.n;
-    iota_kernel<<<grid_for(l.n, 256), 256, 0, stream>>>(l.slots, l.n, k_in, v_in);
+    iota_kernel<<<grid_for(l.n, 256), 256, 0, stream>>>(l.slots, l.n, l.num_slots, k_in, v_in, l.err);
     INDEXCP_CUDA_LAUNCH_CHECK("insert iota kernel launch");
     size_t tb = l.sort_temp_bytes;
-    check(cub::DeviceRadixSort::SortPairs(l.sort_temp, tb, k_in, k_out, v_in, v_out, l.n, 0, 64, stream),
+    check(cub::DeviceRadixSort::SortPairs(l.sort_temp, tb, k_in, k_out, v_in, v_out, l.n, 0, bits, stream),
           "cub::DeviceRadixSort::SortPairs (duplicate slots)");
     dup_kernel<<<grid_for(l.n, 256), 256, 0, stream>>>(k_out, v_out, l.n, l.num_slots, l.dup, l.err);
     INDEXCP_CUDA_LAUNCH_CHECK("insert duplicate kernel launch");
@@ -384,8 +451,6 @@ void launch_insert(const InsertLaunch& l, cudaStream_t stream) {
   INDEXCP_CUDA_LAUNCH_CHECK("insert prep kernel launch");
   insert_write_kernel<<<grid_for(l.n, 256), 256, 0, stream>>>(p);
   INDEXCP_CUDA_LAUNCH_CHECK("insert write kernel launch");
-  insert_status_kernel<<<1, 1, 0, stream>>>(p);
-  INDEXCP_CUDA_LAUNCH_CHECK("insert status kernel launch");
 }
 
 void launch_e4m3_nan_check(const uint8_t* q, int64_t n, unsigned long long* first, cudaStream_t stream) {
@@ -402,8 +467,6 @@ void launch_qcast(const QCastLaunch& l, cudaStream_t stream) {
   INDEXCP_CUDA_LAUNCH_CHECK("q cast check kernel launch");
   qcast_kernel<<<grid_for(l.vectors, kWarpsPerBlock), kWarpsPerBlock * 32, 0, stream>>>(l);
   INDEXCP_CUDA_LAUNCH_CHECK("q cast kernel launch");
-  qcast_status_kernel<<<1, 1, 0, stream>>>(l);
-  INDEXCP_CUDA_LAUNCH_CHECK("q cast status kernel launch");
 }
 
 }  // namespace indexcp::cuda::detail

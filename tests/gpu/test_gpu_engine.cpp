@@ -186,14 +186,14 @@ TEST(GpuEngine, DeviceStatusReportsEachRefusalAsTheCpuAndWritesNothing) {
   cudaStream_t st;
   CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   const PageLayout l = make_page_layout(KvDtype::kNvfp4, 128, 2);
-  const int64_t num_pages = 6, n = 300, table_n = 1000;
+  const int64_t table_n = 1000;
   std::vector<float> table(64 * table_n);
   fill_rope_table(table.data(), table_n, 5e6);
   DevArr<float> dtable(table);
   std::vector<float> w(kHeadDim, 0.25f);
   DevArr<float> dw(w);
   const std::vector<Spoil> spoils = {
-      {"slot out of range", [](auto&, auto& s, auto&) { s[219] = 6 * 128; }, InsertRefusal::kSlotOutOfRange},
+      {"slot out of range", [](auto&, auto& s, auto&) { s[219] = 1 << 20; }, InsertRefusal::kSlotOutOfRange},
       {"slot below -1", [](auto&, auto& s, auto&) { s[3] = -7; }, InsertRefusal::kSlotOutOfRange},
       {"duplicate slot", [](auto&, auto& s, auto&) { s[250] = s[4]; s[260] = s[4]; }, InsertRefusal::kDuplicateSlot},
       {"NaN key", [](auto& k, auto&, auto&) { k[112 * kHeadDim + 77] = NAN; }, InsertRefusal::kNonFiniteKey},
@@ -209,8 +209,12 @@ TEST(GpuEngine, DeviceStatusReportsEachRefusalAsTheCpuAndWritesNothing) {
          k[181 * kHeadDim + 5] = NAN;
        }, InsertRefusal::kNonFiniteKey},
   };
-  DevArr<uint8_t> ws(cuda::insert_workspace_bytes(n));
+  // n = 300: the one-CTA duplicate check; n = 3000: the device-wide sort (src/cuda/insert.cu)
+  for (const int64_t n : {int64_t{300}, int64_t{3000}})
   for (const Spoil& sp : spoils) {
+    SCOPED_TRACE("n = " + std::to_string(n));
+    const int64_t num_pages = n <= 300 ? 6 : 32;
+    DevArr<uint8_t> ws(cuda::insert_workspace_bytes(n));
     auto keys = rand_keys(n, 77);
     auto slots = rand_slots(n, num_pages * 128, 78);
     std::vector<int64_t> pos(n);
@@ -293,8 +297,10 @@ TEST(GpuEngine, InsertAndQCastCapturedInAGraphReplayAsEager) {
   cuda::prepare_device();
   cudaStream_t st;
   CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  for (const int64_t n : {int64_t{512}, int64_t{4096}}) {  // the one-CTA and the device-wide duplicate check
+  SCOPED_TRACE("n = " + std::to_string(n));
   const PageLayout l = make_page_layout(KvDtype::kNvfp4, 128, 2);
-  const int64_t num_pages = 64, n = 512, table_n = 8192;
+  const int64_t num_pages = 64, table_n = 8192;
   const int32_t H = 4, layers = 2;
   DevArr<float> dtable(table_n * 64);
   cuda::fill_rope_table(dtable.get(), table_n, 5e6, S(st));
@@ -370,6 +376,7 @@ TEST(GpuEngine, InsertAndQCastCapturedInAGraphReplayAsEager) {
   EXPECT_EQ(0, std::memcmp(before.data(), after.data(), static_cast<size_t>(before.size_bytes())));
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
+  }
   CUDA_OK(cudaStreamDestroy(st));
 }
 
