@@ -279,6 +279,14 @@ TEST(InsertAsync, CountsEveryRefusedTokenOnce) {
   EXPECT_EQ(st.token, 2);
   EXPECT_EQ(st.value, 1);
   EXPECT_EQ(st.refused_tokens, 5);
+  // the same out-of-range slot twice: both refused as out of range, neither as a duplicate
+  std::vector<int64_t> oor = {900, 1, 900};
+  InsertStatus s2;
+  reset_status(&s2);
+  insert_keys_async(cache, 0, keys.data(), oor.data(), 3, {}, nullptr, 0, &s2);
+  EXPECT_EQ(s2.reason, static_cast<int32_t>(InsertRefusal::kSlotOutOfRange));
+  EXPECT_EQ(s2.token, 0);
+  EXPECT_EQ(s2.refused_tokens, 2);
 }
 
 // A good batch writes the synchronous call's bytes, with RoPE from the table (fill_rope_table)

@@ -221,8 +221,10 @@ void insert_keys_bf16_async(const CacheView& cache, int32_t layer, const uint16_
                             InsertStatus* status, CUstream_st* stream = nullptr);
 
 /// Index-Q cast as quantize_queries (q fp32 [num_tokens, heads, 128] -> out E4M3 [num_tokens,
-/// heads, 128]) with the refusal of NaN in q recorded in *status (kQueryNaN; nothing written)
-/// instead of thrown. RoPE needs pre.rope_cos_sin. No workspace.
+/// heads, 128]) with refusals recorded in *status instead of thrown (nothing written): NaN in q
+/// (kQueryNaN), a position outside the RoPE table (kPositionOutOfTable), NaN after RMSNorm/RoPE
+/// (kQueryNaNAfterPreprocess). Every row is checked: padding rows must be finite. RoPE needs
+/// pre.rope_cos_sin. No workspace.
 void quantize_queries_async(const float* q, int64_t num_tokens, int32_t heads,
                             const KeyPreprocess& pre, uint8_t* out, InsertStatus* status,
                             CUstream_st* stream = nullptr);

@@ -165,7 +165,7 @@ constexpr int kDupThreads = 256, kDupItems = 8;
 constexpr int64_t kDupBlockMax = int64_t{kDupThreads} * kDupItems;
 
 __global__ void __launch_bounds__(kDupThreads) dup_block_kernel(const int64_t* slots, int64_t n, int64_t num_slots,
-                                                                int sort_bits, uint8_t* dup, unsigned long long* err) {
+                                                                int key_bits, uint8_t* dup, unsigned long long* err) {
   using Sort = cub::BlockRadixSort<int64_t, kDupThreads, kDupItems, int32_t>;
   __shared__ typename Sort::TempStorage tmp;
   __shared__ int64_t sorted[kDupBlockMax];
@@ -180,7 +180,7 @@ __global__ void __launch_bounds__(kDupThreads) dup_block_kernel(const int64_t* s
     k[j] = i < n ? dup_key(slots[i], num_slots) : num_slots;
     v[j] = i < n ? static_cast<int32_t>(i) : -1;
   }
-  Sort(tmp).Sort(k, v, 0, sort_bits);  // stable: equal slots keep token order
+  Sort(tmp).Sort(k, v, 0, key_bits);  // stable: equal slots keep token order
   for (int j = 0; j < kDupItems; ++j) sorted[threadIdx.x * kDupItems + j] = k[j];
   __syncthreads();  // (also orders the refusal words' initialization before the atomics)
   for (int j = 0; j < kDupItems; ++j) {
@@ -387,6 +387,12 @@ unsigned grid_for(int64_t items, int per_block) {
 
 size_t align256(size_t x) { return (x + 255) & ~size_t{255}; }
 
+int sort_bits(int64_t num_slots) {  // bits of the largest key (num_slots, the sentinel)
+  int b = 1;
+  while (b < 63 && (int64_t{1} << b) <= num_slots) ++b;
+  return b;
+}
+
 }  // namespace
 
 InsertWorkspace insert_workspace_layout(int64_t n) {
@@ -413,12 +419,6 @@ InsertWorkspace insert_workspace_layout(int64_t n) {
   o = align256(o + tb);
   w.total = o;
   return w;
-}
-
-int sort_bits(int64_t num_slots) {  // bits of the largest key (num_slots, the sentinel)
-  int b = 1;
-  while (b < 63 && (int64_t{1} << b) <= num_slots) ++b;
-  return b;
 }
 
 void launch_insert(const InsertLaunch& l, cudaStream_t stream) {

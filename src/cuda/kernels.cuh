@@ -98,8 +98,9 @@ void launch_stage_fp8(const uint8_t* layer_base, const PageLayout& layout, int64
 
 /// Uploads the E4M3 k_hat table (|e2m1 code| x |scale| rounded to E4M3, per scale byte) to the
 /// current device once. Call before any graph capture (DeviceCache's constructor does).
-/// (With `stream`: refuses, naming cuda::prepare_device, when the tables are missing and the
-/// stream is being captured, instead of a synchronous upload that would break the capture.)
+/// (With `stream`: refuses, naming cuda::prepare_device, when the tables are missing and that
+/// stream is being captured, instead of a synchronous upload that would break the capture. A
+/// capture on another stream or thread is not detected: prepare_device first.)
 void ensure_tables(cudaStream_t stream = nullptr);
 
 // ---- insert / q cast ----------------------------------------------------------------------

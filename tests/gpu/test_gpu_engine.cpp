@@ -60,7 +60,7 @@ struct Twin {
   std::vector<uint8_t> hraw;
   explicit Twin(size_t n) : bytes(n), dev(n), hraw(n + 32, 0x5A) {
     hbase = hraw.data() + (16 - reinterpret_cast<uintptr_t>(hraw.data()) % 16) % 16;
-    cudaMemset(dev.get(), 0x5A, n);
+    dev.fill_bytes(0x5A);  // (waits: the legacy-stream memset before non-blocking streams use it)
   }
   std::vector<uint8_t> dev_bytes() const { return dev.host(); }
   std::vector<uint8_t> host_bytes() const { return std::vector<uint8_t>(hbase, hbase + bytes); }
@@ -272,6 +272,55 @@ TEST(GpuEngine, DeviceStatusReportsEachRefusalAsTheCpuAndWritesNothing) {
     EXPECT_EQ(g2.token, g.token);
     EXPECT_EQ(g2.refused_calls, 2);
     EXPECT_EQ(g2.refused_tokens, 2 * g.refused_tokens);
+  }
+  CUDA_OK(cudaStreamDestroy(st));
+}
+
+// The duplicate check's two paths at their edges (one token: none; 2,048: the one-CTA check's
+// last item; 2,049: the device-wide sort): a repeat of an earlier slot in the last token is
+// refused there as on the CPU, two tokens with the same out-of-range slot are both refused as out
+// of range (not as duplicates), and a good batch writes the CPU's bytes.
+TEST(GpuEngine, DuplicateCheckAtItsEdgesEqualsTheCpu) {
+  REQUIRE_GPU();
+  cudaStream_t st;
+  CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  const PageLayout l = make_page_layout(KvDtype::kFp8, 128, 1);
+  const int64_t num_pages = 40;
+  for (const int64_t n : {int64_t{1}, int64_t{2}, int64_t{2047}, int64_t{2048}, int64_t{2049}}) {
+    SCOPED_TRACE("n = " + std::to_string(n));
+    const auto keys = rand_keys(n, 5);
+    DevArr<float> dkeys(keys);
+    DevArr<uint8_t> ws(cuda::insert_workspace_bytes(n));
+    DevArr<InsertStatus> ds(1);
+    std::vector<std::vector<int64_t>> batches = {rand_slots(n, num_pages * 128, 9)};
+    if (n >= 2) {
+      auto dup = batches[0];  // token 0 is skipped (-1) in rand_slots, token n - 1 is not
+      dup[0] = dup[n - 1];    // so token n - 1 repeats token 0's slot
+      batches.push_back(dup);
+      auto oor = batches[0];
+      oor[0] = oor[n - 1] = num_pages * 128 + 5;
+      batches.push_back(oor);
+    } else {
+      batches.push_back({-5});
+    }
+    for (const auto& slots : batches) {
+      DevArr<int64_t> dslots(slots);
+      IndexCache hc(l, num_pages, 1, 0);
+      cuda::DeviceCache dc(l, num_pages, 1, 0);
+      InsertStatus hs;
+      reset_status(&hs);
+      insert_keys_async(hc, 0, keys.data(), slots.data(), n, {}, nullptr, 0, &hs);
+      cuda::reset_status(ds.get(), S(st));
+      cuda::insert_keys_async(dc, 0, dkeys.get(), dslots.get(), n, {}, ws.get(), ws.size(), ds.get(), S(st));
+      const InsertStatus g = cuda::read_status(ds.get(), S(st));
+      EXPECT_EQ(g.reason, hs.reason);
+      EXPECT_EQ(g.token, hs.token);
+      EXPECT_EQ(g.value, hs.value);
+      EXPECT_EQ(g.refused_tokens, hs.refused_tokens);
+      IndexCache back(l, num_pages, 1, 0);
+      dc.download(back);
+      EXPECT_EQ(0, std::memcmp(back.data(), hc.data(), static_cast<size_t>(hc.size_bytes())));
+    }
   }
   CUDA_OK(cudaStreamDestroy(st));
 }
