@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <climits>
 #include <cstring>
 #include <functional>
 #include <random>
@@ -170,6 +171,33 @@ TEST(CacheView, BadViewsAreRefusedByName) {
   EXPECT_NE(msg([&] { make_cache_view_layers(l, ptrs.data(), 4, 2, 0, MemoryLocation::kHost); })
                 .find("layer_ptrs[1] = "),
             std::string::npos);
+  // sizes that would overflow the address computations (an engine's bug, or a hostile value)
+  const PageLayout big = make_page_layout(KvDtype::kNvfp4, 128, 1, int64_t{1} << 33);
+  EXPECT_NE(msg([&] { make_cache_view(big, b, (int64_t{1} << 31) - 1, 2, 0, 16, MemoryLocation::kHost); })
+                .find("exceeds the 2^56 bytes a view may span"),
+            std::string::npos);
+  EXPECT_NE(msg([&] {
+              make_cache_view(l, b, 4, 4, 0, (INT64_MAX / 2) & ~int64_t{15}, MemoryLocation::kHost);
+            }).find("layer_stride = "),
+            std::string::npos);
+  uint8_t* top = reinterpret_cast<uint8_t*>(~uintptr_t{0} - 4095);  // 16-aligned, 4 KiB below the end (never read)
+  EXPECT_NE(msg([&] { make_cache_view(l, top, 4, 2, 0, int64_t{1} << 20, MemoryLocation::kHost); })
+                .find("wraps the address space"),
+            std::string::npos);
+  // per-layer pointers whose layers overlap (aliasing, or closer than one layer's bytes)
+  std::vector<uint8_t*> same = {b, b, b};
+  EXPECT_NE(msg([&] { make_cache_view_layers(l, same.data(), 4, 3, 0, MemoryLocation::kHost); })
+                .find("overlap"),
+            std::string::npos);
+  const int64_t lb = cache_layer_bytes(l, 4);
+  EXPECT_EQ(lb, 3 * l.page_stride + l.page_bytes());
+  std::vector<uint8_t*> close = {b + lb + 16, b};  // more than one layer apart: fine
+  EXPECT_NO_THROW(make_cache_view_layers(l, close.data(), 4, 2, 0, MemoryLocation::kHost));
+  close[0] = b + lb - 16;
+  EXPECT_NE(msg([&] { make_cache_view_layers(l, close.data(), 4, 2, 0, MemoryLocation::kHost); })
+                .find("layer_ptrs[1] and layer_ptrs[0] overlap"),
+            std::string::npos);
+  EXPECT_NE(msg([&] { (void)cache_layer_bytes(l, 0); }).find("num_pages = 0"), std::string::npos);
   // the CPU backend refuses a device view and an empty one, naming the argument
   const CacheView dev = make_cache_view(l, b, 4, 1, 0, 0, MemoryLocation::kDevice);
   const auto keys = random_keys(1, 1);
@@ -431,6 +459,25 @@ TEST(QCastAsync, EqualsTheSynchronousCastAndRecordsRefusals) {
   EXPECT_EQ(s3.reason, static_cast<int32_t>(InsertRefusal::kQueryNaNAfterPreprocess));
   EXPECT_EQ(std::string(status_error(s3).what()),
             error_of([&] { quantize_queries(q.data(), T, H, pre, c.data()); }));
+}
+
+// The CPU backend offers the CUDA backend's signatures too (the stream ignored), so that one
+// engine code path can be written once for `indexcp::` and `indexcp::cuda::`.
+TEST(InsertStatusHelpers, CpuHasTheCudaSignatures) {
+  InsertStatus s;
+  s.reason = 3;
+  s.refused_calls = 7;
+  CUstream_st* stream = nullptr;
+  EXPECT_EQ(read_status(&s, stream).refused_calls, 7);
+  reset_status(&s, stream);
+  EXPECT_EQ(read_status(&s).reason, 0);
+  EXPECT_EQ(s.refused_calls, 0);
+  std::vector<float> a(64 * 10), c(64 * 10);
+  fill_rope_table(a.data(), 10, 1e4);
+  fill_rope_table(c.data(), 10, 1e4, stream);
+  EXPECT_EQ(a, c);
+  EXPECT_EQ(insert_workspace_bytes(512), 0u);
+  EXPECT_NE(error_of([&] { (void)read_status(nullptr); }).find("status is null"), std::string::npos);
 }
 
 TEST(InsertStatusHelpers, MessagesNameEveryReason) {

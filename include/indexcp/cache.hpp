@@ -67,8 +67,9 @@ struct KeyPreprocess {
   const int64_t* positions = nullptr;  ///< [num_tokens] absolute positions, for RoPE
   /// The asynchronous calls (insert_keys_async, quantize_queries_async) read cos/sin from this
   /// table instead of computing them: fp32 [rope_table_positions, 64], row p = cos of pairs 0..31
-  /// then sin of pairs 0..31 at position p (fill_rope_table; rope_theta is then not read). A
-  /// position outside [0, rope_table_positions) refuses the batch. The synchronous calls ignore it.
+  /// then sin of pairs 0..31 at position p (fill_rope_table; rope_theta is then not used, but it
+  /// is still checked: finite and > 0). A position outside [0, rope_table_positions) refuses the
+  /// batch. The synchronous calls ignore the table.
   const float* rope_cos_sin = nullptr;
   int64_t rope_table_positions = 0;
 };
@@ -79,6 +80,8 @@ struct KeyPreprocess {
 /// naming num_positions (1..2^31) or rope_theta (finite, > 0). (cuda::fill_rope_table fills a
 /// device table.)
 void fill_rope_table(float* out, int64_t num_positions, double rope_theta);
+/// The same with the CUDA backend's signature (the stream is ignored; `out` is host memory).
+void fill_rope_table(float* out, int64_t num_positions, double rope_theta, CUstream_st* stream);
 /// One row of that table at any position: out (host, fp32 [64]) = cos of pairs 0..31, then sin.
 void rope_cos_sin_row(int64_t position, double rope_theta, float* out);
 
@@ -174,7 +177,7 @@ const char* to_string(InsertRefusal r);
 /// their own merits, and `refused_calls` / `refused_tokens` add up. A refused call writes nothing.
 struct InsertStatus {
   int32_t reason = 0;          ///< InsertRefusal of the first refused call; 0 while none was
-  int32_t layer = -1;          ///< its layer (-1 for a Q cast)
+  int32_t layer = -1;          ///< its layer (-1 for a Q cast); meaningful only when reason != 0
   int64_t token = -1;          ///< its first refused token (index into the call's batch)
   int64_t value = 0;           ///< the slot or position (kSlotOutOfRange, kDuplicateSlot, ...)
   int32_t dim = -1;            ///< the dimension (kNonFiniteKey, kNonFiniteAfterPreprocess, kQueryNaN)
@@ -188,8 +191,12 @@ struct InsertStatus {
 };
 static_assert(sizeof(InsertStatus) == 72, "InsertStatus is part of the ABI");
 
-/// Zero-fills a host status (the CPU backend's).
+/// Zero-fills a host status (the CPU backend's). (The overload with a stream, ignored, has the
+/// CUDA backend's signature.)
 void reset_status(InsertStatus* status);
+void reset_status(InsertStatus* status, CUstream_st* stream);
+/// A copy of a host status (the CUDA backend's read_status copies a device one back).
+InsertStatus read_status(const InsertStatus* status, CUstream_st* stream = nullptr);
 /// The Error that the synchronous call would have thrown for the first refusal recorded in
 /// `status` (a host copy), with the same message; nullptr-free: status.reason == 0 returns an
 /// Error of code kRuntime saying nothing was refused (call it only when reason != 0).

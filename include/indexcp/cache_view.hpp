@@ -29,6 +29,15 @@ const char* to_string(MemoryLocation m);
 
 /// Alignment (bytes) of every base pointer, per-layer pointer, page stride and layer stride.
 inline constexpr int64_t kCacheAlignment = 16;
+/// The most bytes one view may span (all layers, strides included): 2^56, far beyond any memory,
+/// so that no address computation of a valid view can overflow.
+inline constexpr int64_t kMaxViewBytes = int64_t{1} << 56;
+
+/// Bytes one layer region of `num_pages` pages of `layout` must hold: (num_pages - 1) *
+/// page_stride + page_bytes() (the last page need not be padded to the stride). Allocate at least
+/// this much per layer. Throws Error naming num_pages (1..2^31-1) or page_stride when the size
+/// exceeds kMaxViewBytes; the layout is validated (make_page_layout).
+int64_t cache_layer_bytes(const PageLayout& layout, int64_t num_pages);
 
 /// One rank's index cache: `num_layers` layer regions of `num_pages` physical pages each.
 /// Build it with make_cache_view or make_cache_view_layers (they validate); a default-constructed
@@ -81,7 +90,8 @@ class CacheView {
 /// Throws Error (kInvalidArgument) naming the argument: base null or not 16-byte aligned;
 /// num_pages outside 1..2^31-1; num_layers outside 1..4096; rank outside [0, shards);
 /// layer_stride negative, not a multiple of 16, or (num_layers > 1) smaller than layer_bytes(),
-/// so that two layers' pages would overlap; location not an enumerator.
+/// so that two layers' pages would overlap; the whole view spanning more than kMaxViewBytes or
+/// wrapping the address space; location not an enumerator.
 CacheView make_cache_view(const PageLayout& layout, void* base, int64_t num_pages,
                           int32_t num_layers, int32_t rank, int64_t layer_stride,
                           MemoryLocation location);
@@ -89,7 +99,7 @@ CacheView make_cache_view(const PageLayout& layout, void* base, int64_t num_page
 /// A view whose layer l starts at layer_ptrs[l] (a HOST array of num_layers pointers into host or
 /// device memory, kept alive by the caller for as long as the view is used; the array is read at
 /// each call, never by a kernel). Errors as make_cache_view, naming layer_ptrs[l] for a null or
-/// misaligned entry.
+/// misaligned entry, or two entries whose layer regions (layer_bytes() each) overlap.
 CacheView make_cache_view_layers(const PageLayout& layout, uint8_t* const* layer_ptrs,
                                  int64_t num_pages, int32_t num_layers, int32_t rank,
                                  MemoryLocation location);

@@ -1,5 +1,8 @@
 // indexcp: the CUDA backend for Hopper (SM90), spec/indexer.md and spec/formats.md on the GPU.
 //
+// Declared in every build; defined only when the library was built with the CUDA backend
+// (INDEXCP_CUDA_BACKEND == 1 in indexcp/version.hpp): a CPU-only build links none of these.
+//
 // Conventions of this header:
 //   - Every pointer argument is DEVICE memory unless its documentation says "host".
 //     The batch structs of indexer.hpp (DecodeBatch, PrefillBatch) are reused: in this namespace

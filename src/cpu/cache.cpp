@@ -91,6 +91,10 @@ void fill_rope_table(float* out, int64_t num_positions, double rope_theta) {
   for (int64_t p = 0; p < num_positions; ++p) rope_cos_sin_row(p, rope_theta, out + p * 64);
 }
 
+void fill_rope_table(float* out, int64_t num_positions, double rope_theta, CUstream_st* /*stream*/) {
+  fill_rope_table(out, num_positions, rope_theta);
+}
+
 std::vector<uint8_t> quantize_key_bytes(KvDtype dtype, const float* key, float encode_scale) {
   std::vector<uint8_t> row(static_cast<size_t>(key_bytes(dtype)));
   switch (dtype) {
@@ -433,7 +437,8 @@ void qcast_scan(const float* q, int64_t num_tokens, int32_t heads, const KeyPrep
 void check_qcast_args(const float* q, int64_t num_tokens, int32_t heads, const uint8_t* out) {
   INDEXCP_REQUIRE(heads >= 1 && heads <= 64, "heads = " + std::to_string(heads) + " is out of range 1..64");
   check_num_tokens(num_tokens);
-  INDEXCP_REQUIRE(num_tokens == 0 || (q != nullptr && out != nullptr), "q or out is null");
+  INDEXCP_REQUIRE(num_tokens == 0 || q != nullptr, "q is null");
+  INDEXCP_REQUIRE(num_tokens == 0 || out != nullptr, "out is null");
 }
 
 }  // namespace
