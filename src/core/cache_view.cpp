@@ -166,7 +166,7 @@ const char* to_string(InsertRefusal r) {
 
 void reset_status(InsertStatus* status) {
   INDEXCP_REQUIRE(status != nullptr, "status is null");
-  std::memset(status, 0, sizeof(*status));
+  std::memset(static_cast<void*>(status), 0, sizeof(*status));  // zero-fill, as the device memset
 }
 
 // The messages are the synchronous calls' (src/cpu/cache.cpp, src/cuda/api.cu): one owner here.
