@@ -1,4 +1,4 @@
-// Formats: the acceptance vectors of ../shared/vectors/nvfp4_blocks.json, byte for byte, plus
+// Formats: the acceptance vectors (tests/data/vectors/nvfp4_blocks.json, the contract's copy), byte for byte, plus
 // the consequences spec/formats.md section 3 lists (cases C01, C02, C11).
 #include <gtest/gtest.h>
 
@@ -7,6 +7,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <iterator>
 #include <string>
 
 #include "indexcp/cache.hpp"
@@ -34,6 +35,20 @@ uint32_t hex(const std::string& s) { return static_cast<uint32_t>(std::stoul(s, 
 float f(const std::string& bits) { return fmt::bits_f32(hex(bits)); }
 
 }  // namespace
+
+// The repository's copy of the acceptance vectors (tests/data/vectors/) is the contract's
+// (shared/vectors/), byte for byte, wherever the contract's folder is beside the checkout.
+TEST(Vectors, MatchesTheContractsCopy) {
+  const std::string contract = std::string(INDEXCP_CONTRACT_DIR) + "/vectors/nvfp4_blocks.json";
+  std::ifstream c(contract, std::ios::binary);
+  if (!c) GTEST_SKIP() << "no " << contract << " beside this checkout: nothing to compare";
+  const std::string mine_path = shared_dir() + "/vectors/nvfp4_blocks.json";
+  std::ifstream m(mine_path, std::ios::binary);
+  ASSERT_TRUE(m) << "cannot open " << mine_path;
+  const std::string a((std::istreambuf_iterator<char>(c)), std::istreambuf_iterator<char>());
+  const std::string b((std::istreambuf_iterator<char>(m)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(a, b) << mine_path << " differs from " << contract;
+}
 
 TEST(Vectors, E2M1) {
   const json v = load_vectors();

@@ -437,8 +437,7 @@ void qcast_scan(const float* q, int64_t num_tokens, int32_t heads, const KeyPrep
 void check_qcast_args(const float* q, int64_t num_tokens, int32_t heads, const uint8_t* out) {
   INDEXCP_REQUIRE(heads >= 1 && heads <= 64, "heads = " + std::to_string(heads) + " is out of range 1..64");
   check_num_tokens(num_tokens);
-  INDEXCP_REQUIRE(num_tokens == 0 || q != nullptr, "q is null");
-  INDEXCP_REQUIRE(num_tokens == 0 || out != nullptr, "out is null");
+  INDEXCP_REQUIRE(num_tokens == 0 || (q != nullptr && out != nullptr), "q or out is null");
 }
 
 }  // namespace
