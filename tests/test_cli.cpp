@@ -698,8 +698,8 @@ TEST(Cli, BenchDecodeAcrossTwoProcesses) {
     icp += res["variant"] == "icp_nccl";
     if (res["variant"] == "icp_nccl_exchange") {
       ++exchange;
-      // decode: rows x H x (K-1) x 8 bytes per rank (indexer.md section 5)
-      EXPECT_EQ(res["bytes_sent_per_rank"], 2 * 8 * 4 * 15 * 8);
+      // decode: rows x H x (K-1) x 8 bytes per rank (indexer.md section 5) + the 64-byte step signature
+      EXPECT_EQ(res["bytes_sent_per_rank"], 2 * 8 * 4 * 15 * 8 + 64);
     }
   }
   EXPECT_EQ(icp, 2);
@@ -767,8 +767,9 @@ TEST(Cli, RunAcrossTwoProcessesEqualsTheSimulatedRun) {
       EXPECT_EQ(a[k], b[k]) << k << " of " << a.dump();
     EXPECT_EQ(a["tp"], 2);
     EXPECT_TRUE(a["selections_equal_replicated"].get<bool>()) << a.dump();
-    if (a["sharding"] == "on")  // decode: each rank publishes rows x H x (K-1) candidates of 8 bytes (indexer.md section 5)
-      EXPECT_EQ(a["decode_bytes_exchanged_per_rank"], (2 * 4) * 4 * 15 * 8) << a.dump();
+    if (a["sharding"] == "on")  // decode: each rank publishes rows x H x (K-1) candidates of 8 bytes (indexer.md
+                                // section 5) and the 64-byte step signature (plan.hpp)
+      EXPECT_EQ(a["decode_bytes_exchanged_per_rank"], (2 * 4) * 4 * 15 * 8 + 64) << a.dump();
   }
   // only rank 0 prints the table; every rank reports to the launcher
   EXPECT_NE(multi.out.find("[rank 0] indexcp run:"), std::string::npos) << multi.out;

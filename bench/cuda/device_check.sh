@@ -11,6 +11,8 @@
 #   run-multi   `indexcp launch --tp W -- indexcp run` on the embedded data, W = 2 and 4 where the GPUs exist
 #   bench-multi TP2 / TP4 across 2 / 4 processes (one GPU each, NCCL) where the GPUs exist
 #   engine      compute-sanitizer over GpuEngine.* and `bench insert --tokens 512,8192` (sync vs async in a graph)
+#   plan        compute-sanitizer (memcheck, initcheck, racecheck) over GpuPlan.* and GpuCollectives.*,
+#               `bench decode` (DecodeStep is W decode plans) and the engine example's N-layer graph
 # Environment: INDEXCP_SHARED_DIR (default ./shared), JOBS (16), BUILD_DIR (build-dev),
 #              INDEXCP_GIT_REV (stored in the records), BENCH_ARGS (extra args for every bench).
 set -uo pipefail
@@ -198,6 +200,20 @@ do_engine() {
   bench "insert-async-h200-$d" insert --tokens 512,8192
 }
 
+do_plan() {
+  local bin=$BUILD_DIR/tests/test_gpu tool d
+  d=$(date +%Y-%m-%d)
+  for tool in memcheck initcheck racecheck; do
+    timeout "${SAN_TIMEOUT:-300}" compute-sanitizer --tool $tool --error-exitcode 9 "$bin" --gtest_filter="${PLAN_FILTER:-GpuPlan.*:GpuCollectives.*}" \
+      --gtest_color=no > "$RES/san-plan-$tool.log" 2>&1
+    log "$tool ${PLAN_FILTER:-GpuPlan.*:GpuCollectives.*} rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|^\[  (PASSED|FAILED) \]' "$RES/san-plan-$tool.log" | tr '\n' ' ')"
+  done
+  bench "decode-plan-h200-$d" decode
+  log "example: engine_step"
+  timeout 300 "$BUILD_DIR/example_engine_step" ${EXAMPLE_ARGS:-} > "$RES/example-engine-step.log" 2>&1
+  log "example rc=$? $(tail -2 "$RES/example-engine-step.log" | tr '\n' ' ')"
+}
+
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 for ph in $PHASES; do
   case $ph in
@@ -211,6 +227,7 @@ for ph in $PHASES; do
     nccl) do_nccl ;;
     run-multi) do_run_multi ;;
     engine) do_engine ;;
+    plan) do_plan ;;
   esac
 done
 tar -C "$RES" -cf "$OUT/records.tar" . 2>/dev/null

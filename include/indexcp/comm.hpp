@@ -11,8 +11,12 @@
 namespace indexcp {
 
 /// A group of `world()` ranks exchanging byte buffers. Collective calls must be made by every
-/// rank of the group in the same order with the same `bytes` (a mismatch is undefined); send and
-/// recv must not overlap. A rank that fails before a collective must abort the group (run_ranks
+/// rank of the group in the same order with the same `bytes`; send and recv must not overlap.
+/// The in-process groups (InProcessGroup, cuda::DeviceGroup) check it: a collective whose ranks
+/// pass different byte counts or make different calls throws Error (kInvalidArgument) on every
+/// rank, naming the call and two ranks' sizes, and copies nothing; NCCL cannot check it (a
+/// mismatch there is undefined), which is why the plans size every exchange for their limits and
+/// sign it (plan.hpp). A rank that fails before a collective must abort the group (run_ranks
 /// does this), or its peers wait forever. `stream` is a cudaStream_t for
 /// device communicators (nullptr on the CPU). Failures throw indexcp::Error (kRuntime), also
 /// when the group was aborted while a call waited.
@@ -52,6 +56,10 @@ class InProcessGroup {
   /// Makes every pending and future collective throw Error("communicator aborted"); a rank
   /// already copying inside a collective finishes it first. An aborted group cannot be reused.
   void abort();
+  /// Rank r's thread returned without an error and makes no further collective calls: a
+  /// collective another rank waits in, or enters later, throws Error naming both ranks instead
+  /// of waiting forever (run_ranks calls it).
+  void depart(int r);
 
   struct State;
 
@@ -64,7 +72,9 @@ class InProcessGroup {
 void rethrow_rank_errors(const std::vector<std::exception_ptr>& errors);
 
 /// Runs fn(rank, comm) on `world` threads of a fresh InProcessGroup and waits for all. If any
-/// rank throws, the group is aborted (so no rank hangs) and the first exception is rethrown.
+/// rank throws, the group is aborted (so no rank hangs) and the first exception is rethrown; a
+/// rank that returns while another still waits in a collective (fewer calls) ends that wait with
+/// an Error naming both ranks (depart).
 void run_ranks(int world, const std::function<void(int rank, Communicator& comm)>& fn);
 
 }  // namespace indexcp

@@ -39,6 +39,7 @@
 #include "indexcp/config.hpp"
 #include "indexcp/icp.hpp"
 #include "indexcp/indexer.hpp"
+#include "indexcp/plan.hpp"
 
 // cudaStream_t without including the CUDA runtime headers in every translation unit.
 struct CUstream_st;
@@ -266,12 +267,113 @@ void prefill_local_score(Communicator& comm, const CacheView& shard, int32_t lay
                          Stream stream);
 
 // ---------------------------------------------------------------------------------------------
+// One rank's decode step and prefill chunk as plan / run (plan.hpp has the shared types and the
+// CPU plans with the same names). Every pointer is device memory of the current device; the
+// plan's constructor does the one-time setup (prepare_device) and allocates nothing; run,
+// publish and merge only enqueue kernels (and, for the built-in exchange, comm's collective) on
+// `stream`: no host synchronization, no allocation, no host read of device data, so a step can
+// be captured in a CUDA graph (cudaStreamCaptureModeGlobal included) and replayed with new
+// seq_lens, block tables and q. The host-side checks (Error naming the argument) cover what is
+// host-visible: the view, layer, num_requests against the limits, null pointers, the workspace
+// size, comm; device contents are not validated (validate_decode_batch / validate_prefill_batch
+// are the synchronous checks for tools and tests): page ids outside the cache are skipped.
+// Outputs, exchange records and step status are those of the CPU plans; the selections equal
+// the other CUDA entry points' bit for bit (the same kernels).
+
+class DecodePlan {
+ public:
+  /// As indexcp::DecodePlan; bf16 caches are refused (kUnsupported). The P256/TP2 whole-page
+  /// scorer choice follows config.p256_stock_decode.
+  DecodePlan(const ResolvedConfig& config, int32_t rank, const DecodeLimits& limits);
+  ~DecodePlan();
+  DecodePlan(DecodePlan&&) noexcept;
+  DecodePlan& operator=(DecodePlan&&) noexcept;
+
+  DecodePath path() const;
+  const DecodeLimits& limits() const;
+  int32_t world() const;
+  int32_t rank() const;
+  int32_t head_begin() const;
+  int32_t num_heads() const;
+  /// Device bytes of workspace (a 16-byte aligned pointer; sub-buffers at 256-byte offsets): the
+  /// block scores, the scorer's work plan, and for the exchanging paths one send record and
+  /// world() receive records (the built-in exchange's buffers).
+  size_t workspace_bytes() const;
+  size_t exchange_bytes() const;
+  ExchangeLayout exchange() const;
+  /// The send record / receive records inside a workspace (for the built-in exchange, or as the
+  /// buffers of the engine's own all-gather); null for kReplicated.
+  void* send_buffer(void* workspace) const;
+  void* recv_buffer(void* workspace) const;
+  void check_cache(const CacheView& cache, int32_t layer) const;
+  /// True when this rank scores with the whole-page (stock) scorer.
+  bool uses_stock_scorer() const;
+
+  /// The whole step on `stream`: out int32 [num_requests * Q, num_heads(), K]; for the
+  /// exchanging paths comm must be a device communicator (NCCL, DeviceGroup) of world() ranks
+  /// whose collective enqueues on `stream`. status: device uint32 (StepStatus) or null, written
+  /// by every run (0 on the replicated path): one word per (layer, rank) keeps every step's.
+  void run(const CacheView& cache, int32_t layer, const DeviceDecodeBatch& batch, void* workspace,
+           size_t workspace_bytes, int32_t* out, Communicator* comm, uint32_t* status, Stream stream) const;
+  /// Split exchange: score and write this rank's record (exchange_bytes(), 8-byte aligned,
+  /// device) at `send` on `stream`; the engine then all-gathers world() records on the same
+  /// stream with its own communicator and calls merge.
+  void publish(const CacheView& cache, int32_t layer, const DeviceDecodeBatch& batch, void* workspace,
+               size_t workspace_bytes, void* send, Stream stream) const;
+  void merge(const DeviceDecodeBatch& batch, const void* recv, int32_t* out, uint32_t* status,
+             Stream stream) const;
+
+  struct Impl;
+  const Impl& impl() const { return *impl_; }
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+class PrefillPlan {
+ public:
+  PrefillPlan(const ResolvedConfig& config, int32_t rank, const PrefillLimits& limits);
+  ~PrefillPlan();
+  PrefillPlan(PrefillPlan&&) noexcept;
+  PrefillPlan& operator=(PrefillPlan&&) noexcept;
+
+  PrefillPath path() const;
+  const PrefillLimits& limits() const;
+  int32_t world() const;
+  int32_t rank() const;
+  int32_t head_begin() const;
+  int32_t num_heads() const;
+  /// Device bytes of workspace: block scores [max_rows, scored heads, max_pages * P / 128] fp32,
+  /// plus kGather: the staging and gathered FP8 transient of one chunk (within the budget) and
+  /// the unit lists; kLocalScore: the send and receive records.
+  size_t workspace_bytes() const;
+  size_t exchange_bytes() const;
+  int64_t units_per_chunk() const;
+  int64_t gather_chunks(const PrefillExtents& extents) const;
+  void check_cache(const CacheView& cache, int32_t layer) const;
+
+  /// out int32 [extents.rows, num_heads(), K] on `stream`. kGather: the unit list of each chunk is
+  /// built on the device from seq_lens, query_start and the block table; the number of
+  /// all-gathers (gather_chunks) and their sizes come from the host extents, so every rank moves
+  /// the same bytes; a chunk with more units than extents.gather_units sets status 2 and gives -1.
+  void run(const CacheView& cache, int32_t layer, const DevicePrefillBatch& batch,
+           const PrefillExtents& extents, void* workspace, size_t workspace_bytes, int32_t* out,
+           Communicator* comm, uint32_t* status, Stream stream) const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// ---------------------------------------------------------------------------------------------
 // Simulated ranks on one GPU
 
 /// W ranks in one process on the current device; collectives copy device buffers with
 /// cudaMemcpyAsync on the caller's stream, ordered across the ranks' streams with events (the
-/// host threads meet at a mutex/condition-variable barrier; nothing blocks on the GPU).
-/// abort() makes pending and future collectives throw.
+/// host threads meet at the barrier InProcessGroup uses; nothing blocks on the GPU). Ranks that
+/// pass different byte counts get an Error on every rank (comm.hpp); abort() makes pending and
+/// future collectives throw.
 class DeviceGroup {
  public:
   explicit DeviceGroup(int world);  ///< world 1..64, else Error naming world
@@ -281,6 +383,8 @@ class DeviceGroup {
   int world() const;
   Communicator& comm(int rank);
   void abort();
+  /// As InProcessGroup::depart (run_device_ranks calls it when a rank's function returns).
+  void depart(int rank);
   struct State;
 
  private:
@@ -296,11 +400,9 @@ void run_device_ranks(int world, const std::function<void(int rank, Communicator
 // One layer's decode step over all W ranks of a TP group on one GPU, one stream: capturable in a
 // CUDA graph (no host synchronization, no allocation in run()).
 
-enum class DecodePath {
-  kReplicated,  ///< every rank scores its owned heads over the replicated cache and selects
-  kIcp,         ///< sharded cache: score all heads over own rows, publish, exchange, merge
-  kDecodeCp,    ///< replicated cache, rank r scores blocks b % W == r, publish, exchange, merge
-};
+/// The decode paths (plan.hpp): kReplicated (every rank scores its owned heads over the
+/// replicated cache and selects), kIcp (shards), kDecodeCp (replicated, blocks b % W == r).
+using indexcp::DecodePath;
 
 /// Shapes fixed for the life of a DecodeStep (buffers are sized for them).
 struct DecodeShape {

@@ -27,6 +27,9 @@ struct StepStats {
   double us_per_rank = 0;        ///< mean over ranks of each rank's own busy time
   int64_t bytes_exchanged = 0;   ///< bytes each rank contributed to collectives
   int64_t gather_reserved_bytes = 0;  ///< prefill gather transient reserved per rank
+  /// How us_per_rank was measured, in words (the CLI prints it under its table): e.g. "CUDA graph
+  /// replays of each rank's plan" or "host wall time of each rank's thread".
+  std::string timing;
 };
 
 /// All ranks of one TP group for one layer.

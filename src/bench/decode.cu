@@ -11,6 +11,7 @@
 #include "bench/harness.cuh"
 #include "core/json_util.hpp"
 #include "indexcp/cuda.hpp"
+#include "indexcp/plan.hpp"
 #include "indexcp/error.hpp"
 #include "indexcp/nccl.hpp"
 #include "indexcp/npy.hpp"
@@ -339,8 +340,8 @@ bool decode_processes(const DecodeOptions& o, const RankEnv& env) {
           for (int32_t h = 0; h < nh && eq; ++h)
             eq = std::equal(h_icp.begin() + (i * nh + h) * K, h_icp.begin() + (i * nh + h + 1) * K,
                             h_rep.begin() + (i * H + h0 + h) * K);
-        // the exchange alone: this rank's candidate records, all-gathered
-        const size_t xbytes = static_cast<size_t>(rows) * H * sel.ranked() * 8;
+        // the exchange alone: this rank's record (candidates + step signature), all-gathered
+        const size_t xbytes = exchange_layout(rows, H, sel).record_bytes;
         Buf<uint8_t> xs(xbytes), xr(xbytes * W);
         ck(cudaMemset(xs.p, 0, xbytes), "cudaMemset");
         Graph g_rep(dev.capture([&] {

@@ -249,6 +249,7 @@ struct RunResult {
   double insert_us = 0, prefill_us = 0, decode_us = 0;  // per rank (prefill/decode) / wall (insert)
   int64_t decode_bytes = 0, gather_reserved = 0, cache_bytes = 0, num_pages = 0;
   std::string backend;
+  std::string decode_timing, prefill_timing;  // StepStats::timing: how the times were taken
 };
 
 // group: this process is one rank of a group of processes (indexcp launch); nullptr: every rank
@@ -322,6 +323,7 @@ RunResult run_combo(const std::string& backend, const ResolvedConfig& rc, const 
     out.sel.insert(out.sel.end(), o.begin(), o.end());
     out.prefill_us = st.us_per_rank;
     out.gather_reserved = st.gather_reserved_bytes;
+    out.prefill_timing = st.timing;
   }
   for (int32_t s = 0; s < w.S; ++s) {
     insert_range(w.ctx0 + w.pt + static_cast<int64_t>(s) * w.Q, w.Q);
@@ -339,6 +341,7 @@ RunResult run_combo(const std::string& backend, const ResolvedConfig& rc, const 
     out.sel.insert(out.sel.end(), o.begin(), o.end());
     out.decode_us += st.us_per_rank;
     out.decode_bytes = std::max(out.decode_bytes, st.bytes_exchanged);
+    out.decode_timing = st.timing;
   }
   return out;
 }
@@ -352,6 +355,7 @@ struct ConfigReport {
   std::vector<double> recall_per_head;
   double insert_us = 0, prefill_us = 0, decode_us = 0;
   int64_t decode_bytes = 0, gather_reserved = 0, cache_bytes = 0, num_pages = 0;
+  std::string decode_timing, prefill_timing;
   int layers = 0;
 };
 
@@ -671,6 +675,8 @@ int run_command(const RunOptions& opts) {
       r.gather_reserved = rr.gather_reserved;
       r.cache_bytes = rr.cache_bytes;
       r.num_pages = rr.num_pages;
+      r.decode_timing = rr.decode_timing;
+      r.prefill_timing = rr.prefill_timing;
       ++r.layers;
     }
   }
@@ -703,6 +709,8 @@ int run_command(const RunOptions& opts) {
                        {"recall_vs_fp32_per_head", r.recall_per_head},
                        {"us_per_layer_per_rank", r.decode_us},
                        {"prefill_us_per_layer_per_rank", r.prefill_us},
+                       {"decode_timing", r.decode_timing},
+                       {"prefill_timing", r.prefill_timing},
                        {"insert_us_per_layer", r.insert_us},
                        {"decode_bytes_exchanged_per_rank", r.decode_bytes},
                        {"prefill_gather_reserved_bytes", r.gather_reserved},
@@ -806,6 +814,15 @@ int run_command(const RunOptions& opts) {
                   c["selections_equal_replicated"].get<bool>() ? "yes" : "NO", c["recall_vs_fp32"].get<double>(),
                   c["us_per_layer_per_rank"].get<double>(), c["prefill_us_per_layer_per_rank"].get<double>());
     os << line;
+  }
+  {  // how the times were taken (the same for every configuration of one backend)
+    std::string dt, pt;
+    for (const auto& c : configs) {
+      if (dt.empty()) dt = c["decode_timing"].get<std::string>();
+      if (pt.empty()) pt = c["prefill_timing"].get<std::string>();
+    }
+    if (!dt.empty()) os << "decode us/rank: " << dt << "\n";
+    if (!pt.empty()) os << "prefill us/rank: " << pt << "\n";
   }
   for (const auto& s : skipped)
     os << "skipped: " << s["kv_dtype"].get<std::string>() << " P" << s["page_size"].get<int>() << " TP"

@@ -11,45 +11,15 @@
 
 #include "indexcp/comm.hpp"
 #include "indexcp/error.hpp"
+#include "rank_barrier.hpp"
 
 namespace indexcp {
 
-namespace {
-class InProcessComm;
-}
-
 struct InProcessGroup::State {
+  explicit State(int w) : world(w), barrier(w) {}
   int world;
-  std::mutex mu;
-  std::condition_variable cv;
-  int arrived = 0;
-  uint64_t generation = 0;
-  bool aborted = false;
-  std::vector<const void*> slots;
+  detail::RankBarrier barrier;
   std::vector<std::unique_ptr<Communicator>> comms;
-
-  void check_aborted() const {
-    if (aborted) throw Error(ErrorCode::kRuntime, "communicator aborted (another rank failed)");
-  }
-  // Blocking barrier; the caller holds `lk`. An abortable barrier (the first of a collective)
-  // gives up when the group is aborted. The second barrier of a collective is not abortable:
-  // every rank has passed the first one and only copies memory before arriving, and a rank
-  // leaving early would free a send buffer that a slower rank may still be reading.
-  void barrier(std::unique_lock<std::mutex>& lk, bool abortable) {
-    if (abortable) check_aborted();
-    const uint64_t gen = generation;
-    if (++arrived == world) {
-      arrived = 0;
-      ++generation;
-      cv.notify_all();
-      return;
-    }
-    cv.wait(lk, [&] { return generation != gen || (abortable && aborted); });
-    if (abortable && generation == gen) {
-      --arrived;  // leave the aborted barrier
-      check_aborted();
-    }
-  }
 };
 
 namespace {
@@ -62,28 +32,20 @@ class InProcessComm final : public Communicator {
   std::size_t bytes_sent() const override { return sent_; }
 
   void all_gather(const void* send, void* recv, std::size_t bytes, void*) override {
-    std::unique_lock<std::mutex> lk(s_->mu);
-    s_->slots[rank_] = send;
-    s_->barrier(lk, true);
-    lk.unlock();
+    s_->barrier.enter(rank_, "all_gather", send, bytes);
     for (int p = 0; p < s_->world; ++p)
-      if (bytes) std::memcpy(static_cast<char*>(recv) + p * bytes, s_->slots[p], bytes);
-    lk.lock();
-    s_->barrier(lk, false);
+      if (bytes) std::memcpy(static_cast<char*>(recv) + p * bytes, s_->barrier.ptr(p), bytes);
+    s_->barrier.leave();
     sent_ += bytes;
   }
 
   void all_to_all(const void* send, void* recv, std::size_t bytes, void*) override {
-    std::unique_lock<std::mutex> lk(s_->mu);
-    s_->slots[rank_] = send;
-    s_->barrier(lk, true);
-    lk.unlock();
+    s_->barrier.enter(rank_, "all_to_all", send, bytes);
     for (int p = 0; p < s_->world; ++p)
       if (bytes)
-        std::memcpy(static_cast<char*>(recv) + p * bytes,
-                    static_cast<const char*>(s_->slots[p]) + rank_ * bytes, bytes);
-    lk.lock();
-    s_->barrier(lk, false);
+        std::memcpy(static_cast<char*>(recv) + p * bytes, static_cast<const char*>(s_->barrier.ptr(p)) + rank_ * bytes,
+                    bytes);
+    s_->barrier.leave();
     sent_ += bytes * s_->world;
   }
 
@@ -95,10 +57,9 @@ class InProcessComm final : public Communicator {
 
 }  // namespace
 
-InProcessGroup::InProcessGroup(int world) : state_(std::make_unique<State>()) {
+InProcessGroup::InProcessGroup(int world) {
   INDEXCP_REQUIRE(world >= 1 && world <= 64, "world = " + std::to_string(world) + " must be in 1..64");
-  state_->world = world;
-  state_->slots.assign(static_cast<size_t>(world), nullptr);
+  state_ = std::make_unique<State>(world);
   for (int r = 0; r < world; ++r) state_->comms.push_back(std::make_unique<InProcessComm>(state_.get(), r));
 }
 
@@ -111,10 +72,11 @@ Communicator& InProcessGroup::comm(int r) {
   return *state_->comms[static_cast<size_t>(r)];
 }
 
-void InProcessGroup::abort() {
-  std::lock_guard<std::mutex> lk(state_->mu);
-  state_->aborted = true;
-  state_->cv.notify_all();
+void InProcessGroup::abort() { state_->barrier.abort(); }
+
+void InProcessGroup::depart(int r) {
+  INDEXCP_REQUIRE(r >= 0 && r < state_->world, "rank = " + std::to_string(r) + " is out of range");
+  state_->barrier.depart(r);
 }
 
 void run_ranks(int world, const std::function<void(int, Communicator&)>& fn) {
@@ -131,6 +93,7 @@ void run_ranks(int world, const std::function<void(int, Communicator&)>& fn) {
       omp_set_num_threads(per_rank);
       try {
         fn(r, group.comm(r));
+        group.depart(r);  // peers still waiting in a collective get an Error
       } catch (...) {
         errors[static_cast<size_t>(r)] = std::current_exception();
         group.abort();

@@ -4,6 +4,7 @@
 
 #include "indexcp/error.hpp"
 #include "indexcp/icp.hpp"
+#include "indexcp/plan.hpp"
 #include "indexcp/tp_group.hpp"
 
 namespace indexcp {
@@ -36,17 +37,22 @@ class CpuTpIndexer final : public TpIndexer {
   std::vector<int32_t> decode(const DecodeBatch& b, const SelectionParams& sel, StepStats* st) override {
     sel.validate();
     decode_rows(b, caches_[0].num_pages(), cfg_.engine.page_size);  // validate before sizing outputs
+    // each rank's decode plan (plan.hpp): the resolved config picks the path
+    DecodeLimits lim;
+    lim.max_requests = std::max(1, b.num_requests);
+    lim.max_pages = std::max(1, b.max_pages);
+    lim.query_len = b.query_len;
+    lim.heads = b.heads;
+    lim.sel = sel;
+    check_heads_tp(b.heads, cfg_.engine.tp);
+    const DeviceDecodeBatch d{b.q, b.block_table, b.seq_lens, b.num_requests};
     return run(b.rows(), b.heads, sel, st, [&](int rank, Communicator& comm, int32_t* out, StepStats& s) {
-      const int W = comm.world();
-      if (cfg_.sharding) {
-        icp_decode(comm, caches_[rank], 0, b, sel, cfg_.k_rounding, out);
-      } else if (cfg_.decode_cp) {
-        decode_cp_replicated(comm, caches_[0], 0, b, sel, cfg_.k_rounding, out);
-      } else {
-        int32_t h0, nh;
-        owned_heads(b.heads, W, rank, &h0, &nh);
-        decode_select(caches_[0], 0, b, h0, nh, sel, cfg_.k_rounding, out);
-      }
+      const DecodePlan plan(cfg_, rank, lim);
+      std::vector<uint8_t> ws(plan.workspace_bytes() + 16);
+      void* w = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(ws.data()) + 15) / 16 * 16);
+      uint32_t status = 0;
+      plan.run(caches_[cfg_.shards > 1 ? rank : 0], 0, d, w, plan.workspace_bytes(), out, &comm, &status);
+      if (status != 0) throw Error(ErrorCode::kRuntime, step_status_message(status, "decode"));
       s.bytes_exchanged = static_cast<int64_t>(comm.bytes_sent());
     });
   }
@@ -106,6 +112,7 @@ class CpuTpIndexer final : public TpIndexer {
     if (st) {
       *st = StepStats{};
       st->wall_us = now_us() - t0;
+      st->timing = "host wall time of each rank's thread (CPU backend), averaged over ranks";
       for (const auto& s : stats) {
         st->us_per_rank += s.us_per_rank / W;
         st->bytes_exchanged = std::max(st->bytes_exchanged, s.bytes_exchanged);

@@ -15,6 +15,9 @@
 #include "cpu/kernels.hpp"
 #include "indexcp/cuda.hpp"
 #include "kernels.cuh"
+#include "launches.cuh"
+#include "plan.cuh"
+#include "comm/rank_barrier.hpp"
 
 namespace indexcp::cuda {
 
@@ -86,48 +89,9 @@ void check_decode_shape(const DecodeBatch& b) {
   }
 }
 
-RowsView decode_rows_view(const DecodeBatch& b) {
-  RowsView v;
-  v.seq_lens = b.seq_lens;
-  v.num_requests = b.num_requests;
-  v.query_len = b.query_len;
-  v.rows = b.rows();
-  return v;
-}
 
-KeySource key_source(const CacheView& c, int32_t layer) {
-  KeySource k;
-  k.base = c.layer_ptr(layer);
-  k.layout = c.layout();
-  k.rank = c.rank();
-  k.num_pages = c.num_pages();
-  return k;
-}
 
-int64_t max_blocks_of(int32_t max_pages, const PageLayout& l) {
-  return static_cast<int64_t>(max_pages) * l.blocks_per_page();
-}
 
-ScoreLaunch decode_score_launch(const CacheView& c, int32_t layer, const DecodeBatch& b, int32_t h0,
-                                int32_t nh, KRounding mode, float* scores, BlockFilter filter, bool stock) {
-  check_k_rounding(mode, "mode");
-  ScoreLaunch s;
-  s.keys = key_source(c, layer);
-  s.mode = mode;
-  s.stock = stock;
-  s.rows = decode_rows_view(b);
-  s.block_table = b.block_table;
-  s.max_pages = b.max_pages;
-  s.max_rows_per_request = b.query_len;
-  s.q = b.q;
-  s.heads = b.heads;
-  s.h0 = h0;
-  s.nh = nh;
-  s.filter = filter;
-  s.scores = scores;
-  s.max_blocks = max_blocks_of(b.max_pages, c.layout());
-  return s;
-}
 
 struct HostPrefill {
   std::vector<int32_t> seq_lens, query_start, block_table;
@@ -174,34 +138,7 @@ HostPrefill read_prefill(const PrefillBatch& b, int64_t num_pages, int32_t page_
   return h;
 }
 
-RowsView prefill_rows_view(const PrefillBatch& b, int64_t rows) {
-  RowsView v;
-  v.seq_lens = b.seq_lens;
-  v.query_start = b.query_start;
-  v.num_requests = b.num_requests;
-  v.rows = rows;
-  return v;
-}
 
-// The scorer launch of a replicated prefill (E4M3 keys, whole-page scorer) for heads [h0, h0+nh).
-ScoreLaunch prefill_score_launch(const CacheView& cache, int32_t layer, const PrefillBatch& batch, int64_t rows,
-                                 int32_t max_rows_per_request, int32_t h0, int32_t nh, float* scores) {
-  ScoreLaunch sl;
-  sl.keys = key_source(cache, layer);
-  sl.mode = KRounding::kE4m3;  // prefill always scores E4M3 keys (indexer.md section 2)
-  sl.stock = true;
-  sl.rows = prefill_rows_view(batch, rows);
-  sl.block_table = batch.block_table;
-  sl.max_pages = batch.max_pages;
-  sl.max_rows_per_request = max_rows_per_request;
-  sl.q = batch.q;
-  sl.heads = batch.heads;
-  sl.h0 = h0;
-  sl.nh = nh;
-  sl.scores = scores;
-  sl.max_blocks = max_blocks_of(batch.max_pages, cache.layout());
-  return sl;
-}
 
 void check_group(const Communicator& comm, const CacheView& c, bool sharded) {
   if (sharded) {
@@ -215,47 +152,6 @@ void check_group(const Communicator& comm, const CacheView& c, bool sharded) {
   }
 }
 
-// Score all heads over `c` (rows given by `rv`), publish, all-gather, merge owned heads.
-void icp_select_device(Communicator& comm, const ScoreLaunch& sl_in, const CacheView& c, const RowsView& rv,
-                       const SelectionParams& sel, int32_t* out, cudaStream_t st) {
-  const int32_t W = comm.world();
-  const int32_t H = sl_in.heads;
-  const int32_t kk = sel.ranked();
-  const int64_t rows = rv.rows;
-  if (rows == 0) return;
-  Tmp<float> scores(static_cast<size_t>(rows) * H * sl_in.max_blocks, st);
-  Tmp<Candidate> mine(static_cast<size_t>(rows) * H * kk, st);
-  Tmp<Candidate> all(static_cast<size_t>(rows) * H * kk * W, st);
-  ScoreLaunch sl = sl_in;
-  sl.scores = scores.get();
-  launch_score(sl, st);
-  SelectLaunch pub;
-  pub.rows = rv;
-  pub.scores = scores.get();
-  pub.max_blocks = sl.max_blocks;
-  pub.nh = H;
-  pub.sel = sel;
-  pub.cands = mine.get();
-  pub.layout = c.layout();
-  pub.rank = c.rank();
-  pub.filter = sl.filter;
-  launch_select(pub, st);
-  comm.all_gather(mine.get(), all.get(), static_cast<size_t>(rows) * H * kk * sizeof(Candidate), st);
-  int32_t h0, nh;
-  owned_heads(H, W, comm.rank(), &h0, &nh);
-  MergeLaunch m;
-  m.rows = rv;
-  m.cands = all.get();
-  m.world = W;
-  m.heads = H;
-  m.h0 = h0;
-  m.nh = nh;
-  m.sel = sel;
-  m.out = out;
-  m.out_heads = nh;
-  m.out_h0 = 0;
-  launch_merge(m, st);
-}
 
 }  // namespace
 
@@ -744,22 +640,57 @@ static void check_collective_decode(Communicator& comm, const CacheView& cache, 
   INDEXCP_REQUIRE(batch.rows() == 0 || out != nullptr, "out is null");
 }
 
+namespace {
+
+// The per-rank entry points are one-rank plans for the batch's own shape, with stream-ordered
+// workspace (the plan's run enqueues the same launches an engine's plan does).
+DecodeLimits limits_of(const DecodeBatch& b, const SelectionParams& sel) {
+  DecodeLimits l;
+  l.max_requests = std::max(1, b.num_requests);
+  l.max_pages = std::max(1, b.max_pages);
+  l.query_len = b.query_len;
+  l.heads = b.heads;
+  l.sel = sel;
+  return l;
+}
+
+void run_decode_plan(const DecodeSpec& spec, Communicator& comm, const CacheView& cache, int32_t layer,
+                     const DecodeBatch& batch, int32_t* out, cudaStream_t st) {
+  if (batch.rows() == 0) return;
+  const DecodePlan::Impl plan(spec);
+  Tmp<uint8_t> ws(plan.ws.total, st);
+  const DeviceDecodeBatch d{batch.q, batch.block_table, batch.seq_lens, batch.num_requests};
+  plan.run(cache, layer, d, ws.get(), plan.ws.total, out, &comm, nullptr, st);
+}
+
+}  // namespace
+
 void icp_decode(Communicator& comm, const CacheView& shard, int32_t layer, const DecodeBatch& batch,
                 const SelectionParams& sel, KRounding mode, int32_t* out, Stream stream, bool validate,
                 bool p256_stock) {
   check_collective_decode(comm, shard, true, layer, batch, sel, out, validate, stream);
-  const PageLayout& l = shard.layout();
-  const bool stock = l.rows() >= kBlockTokens && (p256_stock || !(l.page_size == 256 && l.shards == 2));
-  const ScoreLaunch sl = decode_score_launch(shard, layer, batch, 0, batch.heads, mode, nullptr, BlockFilter{}, stock);
-  icp_select_device(comm, sl, shard, decode_rows_view(batch), sel, out, cs(stream));
+  DecodeSpec sp;
+  sp.path = DecodePath::kIcp;
+  sp.world = comm.world();
+  sp.rank = comm.rank();
+  sp.layout = shard.layout();
+  sp.mode = mode;
+  sp.p256_stock = p256_stock;
+  sp.limits = limits_of(batch, sel);
+  run_decode_plan(sp, comm, shard, layer, batch, out, cs(stream));
 }
 
 void decode_cp_replicated(Communicator& comm, const CacheView& cache, int32_t layer, const DecodeBatch& batch,
                           const SelectionParams& sel, KRounding mode, int32_t* out, Stream stream, bool validate) {
   check_collective_decode(comm, cache, false, layer, batch, sel, out, validate, stream);
-  const ScoreLaunch sl = decode_score_launch(cache, layer, batch, 0, batch.heads, mode, nullptr,
-                                             BlockFilter{comm.world(), comm.rank()}, true);
-  icp_select_device(comm, sl, cache, decode_rows_view(batch), sel, out, cs(stream));
+  DecodeSpec sp;
+  sp.path = DecodePath::kDecodeCp;
+  sp.world = comm.world();
+  sp.rank = comm.rank();
+  sp.layout = cache.layout();
+  sp.mode = mode;
+  sp.limits = limits_of(batch, sel);
+  run_decode_plan(sp, comm, cache, layer, batch, out, cs(stream));
 }
 
 // ---- prefill under ICP ------------------------------------------------------------------------
@@ -781,6 +712,38 @@ void stage_fp8(const CacheView& shard, int32_t layer, const int32_t* pages, int6
   launch_stage_fp8(shard.layer_ptr(layer), l, shard.num_pages(), pages, num_pages, out, cs(stream));
 }
 
+namespace {
+
+PrefillLimits limits_of(const PrefillBatch& b, int64_t rows, const SelectionParams& sel) {
+  PrefillLimits l;
+  l.max_requests = std::max(1, b.num_requests);
+  l.max_pages = std::max(1, b.max_pages);
+  l.max_rows = std::max<int64_t>(1, rows);
+  l.heads = b.heads;
+  l.sel = sel;
+  return l;
+}
+
+// A one-rank prefill plan for the batch's own shape, run and waited for (the synchronous paths
+// turn a step status into an Error on every rank).
+void run_prefill_plan(const PrefillSpec& spec, Communicator& comm, const CacheView& cache, int32_t layer,
+                      const PrefillBatch& batch, const PrefillExtents& e, int32_t* out, cudaStream_t st,
+                      const char* call) {
+  const PrefillPlan::Impl plan(spec);
+  Tmp<uint8_t> ws(plan.ws.total, st);
+  Tmp<uint32_t> status(1, st);
+  check(cudaMemsetAsync(status.get(), 0, sizeof(uint32_t), st), "cudaMemsetAsync (status)");
+  const DevicePrefillBatch d{batch.q, batch.block_table, batch.seq_lens, batch.query_start, batch.num_requests};
+  plan.run(cache, layer, d, e, ws.get(), plan.ws.total, out, &comm, status.get(), st);
+  uint32_t h = 0;
+  check(cudaMemcpyAsync(&h, status.get(), sizeof(h), cudaMemcpyDeviceToHost, st), "cudaMemcpyAsync (status)");
+  comm.synchronize(st);  // bounded by the communicator's watchdog (NCCL), a no-op in-process
+  check(cudaStreamSynchronize(st), (std::string("cudaStreamSynchronize (") + call + ")").c_str());
+  if (h != 0) throw Error(ErrorCode::kRuntime, step_status_message(h, call));
+}
+
+}  // namespace
+
 GatherStats prefill_gather(Communicator& comm, const CacheView& shard, int32_t layer, const PrefillBatch& batch,
                            const SelectionParams& sel, int64_t budget_bytes, int32_t* out, Stream stream) {
   sel.validate();
@@ -790,95 +753,32 @@ GatherStats prefill_gather(Communicator& comm, const CacheView& shard, int32_t l
   INDEXCP_REQUIRE(l.dtype != KvDtype::kBf16, "shard is a bf16 cache; the gather needs fp8 or nvfp4");
   const HostPrefill hp = read_prefill(batch, shard.num_pages(), l.page_size, cs(stream));
   check_heads_tp(batch.heads, comm.world());
-  const auto& rows = hp.rows;
-  INDEXCP_REQUIRE(rows.empty() || out != nullptr, "out is null");
+  const int64_t rows = static_cast<int64_t>(hp.rows.size());
+  INDEXCP_REQUIRE(rows == 0 || out != nullptr, "out is null");
   const int64_t unit = gather_unit_bytes(l);
   INDEXCP_REQUIRE(budget_bytes >= unit, "indexer_prefill_gather_budget_mib gives " + std::to_string(budget_bytes) +
-                                    " bytes, below one page of one request (" + std::to_string(unit) + " bytes)");
-  const int32_t W = comm.world(), R = l.rows(), P = l.page_size;
-  const cudaStream_t st = cs(stream);
-  struct Unit {
-    int32_t request;
-    int64_t lpage;
-  };
-  std::vector<Unit> units;
-  for (int32_t b = 0; b < batch.num_requests; ++b) {
-    const int32_t t = hp.query_start[b + 1] - hp.query_start[b];
-    if (t <= 0 || hp.seq_lens[b] <= 0) continue;
-    const int64_t max_local = (static_cast<int64_t>(hp.seq_lens[b]) - 1) / kBlockTokens;
-    const int64_t npages = (max_local * kBlockTokens + P - 1) / P;
-    for (int64_t i = 0; i < npages; ++i) units.push_back({b, i});
-  }
-  const int64_t per_chunk = budget_bytes / unit;
+                                            " bytes, below one page of one request (" + std::to_string(unit) + " bytes)");
+  PrefillBatch hb = batch;  // host copies of the metadata: the extents
+  hb.seq_lens = hp.seq_lens.data();
+  hb.query_start = hp.query_start.data();
+  hb.block_table = hp.block_table.data();
+  PrefillExtents e;
+  if (batch.num_requests > 0) e = prefill_extents(hb, l.page_size);
+  e.max_rows_per_request = std::max(1, hp.max_rows_per_request);
+  PrefillSpec sp;
+  sp.path = PrefillPath::kGather;
+  sp.world = comm.world();
+  sp.rank = comm.rank();
+  sp.layout = l;
+  sp.limits = limits_of(batch, rows, sel);
+  sp.limits.max_gather_units = std::max<int64_t>(1, e.gather_units);
+  sp.budget = budget_bytes;
   GatherStats gs;
-  gs.pages = static_cast<int64_t>(units.size());
-  gs.reserved_bytes = std::min<int64_t>(gs.pages, per_chunk) * unit;
-  gs.gathered_bytes = gs.pages * P * kHeadDim;
-  int32_t h0, nh;
-  owned_heads(batch.heads, W, comm.rank(), &h0, &nh);
-  const int64_t nrows = static_cast<int64_t>(rows.size());
-  const int64_t mb = max_blocks_of(batch.max_pages, l);
-  const int64_t cap = std::min<int64_t>(gs.pages, per_chunk);
-  Tmp<float> scores(static_cast<size_t>(nrows) * nh * mb, st);
-  Tmp<uint8_t> staging(static_cast<size_t>(cap) * R * kHeadDim, st);
-  Tmp<uint8_t> gathered(static_cast<size_t>(cap) * W * R * kHeadDim, st);
-  Tmp<int32_t> phys(static_cast<size_t>(cap), st);
-  Tmp<int32_t> bt_local(static_cast<size_t>(batch.num_requests) * batch.max_pages, st);
-  // the scorer's work plan, one buffer for every chunk (no per-chunk stream-ordered allocation)
-  Tmp<int32_t> plan(static_cast<size_t>(batch.num_requests) + 1, st);
-  if (cap > 0) {
-    // padding rows of the transient are zero (never scored: only historical blocks are read)
-    check(cudaMemsetAsync(staging.get(), 0, static_cast<size_t>(cap) * R * kHeadDim, st), "cudaMemsetAsync");
-    check(cudaMemsetAsync(gathered.get(), 0, static_cast<size_t>(cap) * W * R * kHeadDim, st), "cudaMemsetAsync");
-  }
-  std::vector<int32_t> phys_h(static_cast<size_t>(cap));
-  std::vector<int32_t> bt_h(static_cast<size_t>(batch.num_requests) * batch.max_pages);
-  const PageLayout gl = make_page_layout(KvDtype::kFp8, P, W);
-  for (int64_t c0 = 0; c0 < gs.pages; c0 += per_chunk) {
-    const int64_t n = std::min<int64_t>(per_chunk, gs.pages - c0);
-    std::fill(bt_h.begin(), bt_h.end(), -1);
-    for (int64_t k = 0; k < n; ++k) {
-      const Unit& u = units[c0 + k];
-      phys_h[k] = hp.block_table[static_cast<int64_t>(u.request) * batch.max_pages + u.lpage];
-      bt_h[static_cast<int64_t>(u.request) * batch.max_pages + u.lpage] = static_cast<int32_t>(k);
-    }
-    check(cudaMemcpyAsync(phys.get(), phys_h.data(), n * sizeof(int32_t), cudaMemcpyHostToDevice, st), "cudaMemcpyAsync");
-    check(cudaMemcpyAsync(bt_local.get(), bt_h.data(), bt_h.size() * sizeof(int32_t), cudaMemcpyHostToDevice, st),
-          "cudaMemcpyAsync");
-    launch_stage_fp8(shard.layer_ptr(layer), l, shard.num_pages(), phys.get(), n, staging.get(), st);
-    comm.all_gather(staging.get(), gathered.get(), static_cast<size_t>(n) * R * kHeadDim, st);
-    ++gs.chunks;
-    ScoreLaunch sl;
-    sl.keys.base = gathered.get();
-    sl.keys.layout = gl;
-    sl.keys.rank = 0;
-    sl.keys.num_pages = n;
-    sl.keys.gather = true;
-    sl.rows = prefill_rows_view(batch, nrows);
-    sl.block_table = bt_local.get();
-    sl.max_pages = batch.max_pages;
-    sl.max_rows_per_request = hp.max_rows_per_request;
-    sl.q = batch.q;
-    sl.heads = batch.heads;
-    sl.h0 = h0;
-    sl.nh = nh;
-    sl.scores = scores.get();
-    sl.max_blocks = mb;
-    sl.plan = plan.get();
-    launch_score(sl, st);
-    // host buffers are reused by the next chunk: the copies above read them synchronously
-  }
-  SelectLaunch s;
-  s.rows = prefill_rows_view(batch, nrows);
-  s.scores = scores.get();
-  s.max_blocks = mb;
-  s.nh = nh;
-  s.sel = sel;
-  s.out = out;
-  s.out_heads = nh;
-  launch_select(s, st);
-  comm.synchronize(st);  // bounded by the communicator's watchdog (NCCL), a no-op in-process
-  check(cudaStreamSynchronize(st), "cudaStreamSynchronize (prefill_gather)");
+  gs.pages = e.gather_units;
+  gs.chunks = e.gather_units > 0 ? (e.gather_units + budget_bytes / unit - 1) / (budget_bytes / unit) : 0;
+  gs.reserved_bytes = std::min<int64_t>(gs.pages, budget_bytes / unit) * unit;
+  gs.gathered_bytes = gs.pages * l.page_size * kHeadDim;
+  run_prefill_plan(sp, comm, shard, layer, batch, e, out, cs(stream), "prefill_gather");
   return gs;
 }
 
@@ -890,54 +790,29 @@ void prefill_local_score(Communicator& comm, const CacheView& shard, int32_t lay
   check_group(comm, shard, true);
   const HostPrefill hp = read_prefill(batch, shard.num_pages(), shard.layout().page_size, cs(stream));
   check_heads_tp(batch.heads, comm.world());
-  const int64_t nrows = static_cast<int64_t>(hp.rows.size());
-  INDEXCP_REQUIRE(nrows == 0 || out != nullptr, "out is null");
-  ScoreLaunch sl;
-  sl.keys = key_source(shard, layer);
-  sl.mode = KRounding::kE4m3;
-  sl.stock = shard.layout().rows() >= kBlockTokens;
-  sl.rows = prefill_rows_view(batch, nrows);
-  sl.block_table = batch.block_table;
-  sl.max_pages = batch.max_pages;
-  sl.max_rows_per_request = hp.max_rows_per_request;
-  sl.q = batch.q;
-  sl.heads = batch.heads;
-  sl.h0 = 0;
-  sl.nh = batch.heads;
-  sl.max_blocks = max_blocks_of(batch.max_pages, shard.layout());
-  icp_select_device(comm, sl, shard, sl.rows, sel, out, cs(stream));
-  comm.synchronize(cs(stream));  // bounded by the communicator's watchdog (NCCL)
-  check(cudaStreamSynchronize(cs(stream)), "cudaStreamSynchronize (prefill_local_score)");
+  const int64_t rows = static_cast<int64_t>(hp.rows.size());
+  INDEXCP_REQUIRE(rows == 0 || out != nullptr, "out is null");
+  if (rows == 0) return;
+  PrefillSpec sp;
+  sp.path = PrefillPath::kLocalScore;
+  sp.world = comm.world();
+  sp.rank = comm.rank();
+  sp.layout = shard.layout();
+  sp.limits = limits_of(batch, rows, sel);
+  PrefillExtents e;
+  e.rows = rows;
+  e.max_rows_per_request = std::max(1, hp.max_rows_per_request);
+  run_prefill_plan(sp, comm, shard, layer, batch, e, out, cs(stream), "prefill_local_score");
 }
 
 // ---- device communicator ------------------------------------------------------------------
 
 struct DeviceGroup::State {
+  explicit State(int w) : world(w), barrier(w) {}
   int world = 1;
-  std::mutex mu;
-  std::condition_variable cv;
-  int arrived = 0;
-  uint64_t generation = 0;
-  bool aborted = false;
-  std::vector<const void*> ptrs;
+  indexcp::detail::RankBarrier barrier;
   std::vector<cudaEvent_t> ready, done;
   std::vector<std::unique_ptr<Communicator>> comms;
-
-  void check_aborted() const {
-    if (aborted) throw Error(ErrorCode::kRuntime, "communicator aborted (another rank failed)");
-  }
-  void barrier(std::unique_lock<std::mutex>& lk) {
-    check_aborted();
-    const uint64_t gen = generation;
-    if (++arrived == world) {
-      arrived = 0;
-      ++generation;
-      cv.notify_all();
-      return;
-    }
-    cv.wait(lk, [&] { return generation != gen || aborted; });
-    check_aborted();
-  }
 };
 
 namespace {
@@ -963,22 +838,23 @@ class DeviceComm final : public Communicator {
     const cudaStream_t st = static_cast<cudaStream_t>(stream);
     // 1. my send buffer is complete at this point of my stream
     check(cudaEventRecord(s_->ready[rank_], st), "cudaEventRecord (all_gather ready)");
-    std::unique_lock<std::mutex> lk(s_->mu);
-    s_->ptrs[rank_] = send;
-    s_->barrier(lk);
-    lk.unlock();
-    // 2. copy every rank's block once it is ready
-    for (int p = 0; p < s_->world; ++p) {
-      check(cudaStreamWaitEvent(st, s_->ready[p], 0), "cudaStreamWaitEvent (all_gather)");
-      if (bytes == 0) continue;
-      const char* src = static_cast<const char*>(s_->ptrs[p]) + (to_all ? rank_ * bytes : 0);
-      check(cudaMemcpyAsync(static_cast<char*>(recv) + p * bytes, src, bytes, cudaMemcpyDeviceToDevice, st),
-            "cudaMemcpyAsync (all_gather)");
+    s_->barrier.enter(rank_, to_all ? "all_to_all" : "all_gather", send, bytes);
+    // 2. copy every rank's block once it is ready (a failing copy still meets the peers below)
+    std::exception_ptr failed;
+    try {
+      for (int p = 0; p < s_->world; ++p) {
+        check(cudaStreamWaitEvent(st, s_->ready[p], 0), "cudaStreamWaitEvent (all_gather)");
+        if (bytes == 0) continue;
+        const char* src = static_cast<const char*>(s_->barrier.ptr(p)) + (to_all ? rank_ * bytes : 0);
+        check(cudaMemcpyAsync(static_cast<char*>(recv) + p * bytes, src, bytes, cudaMemcpyDeviceToDevice, st),
+              "cudaMemcpyAsync (all_gather)");
+      }
+      check(cudaEventRecord(s_->done[rank_], st), "cudaEventRecord (all_gather done)");
+    } catch (...) {
+      failed = std::current_exception();
     }
-    check(cudaEventRecord(s_->done[rank_], st), "cudaEventRecord (all_gather done)");
-    lk.lock();
-    s_->barrier(lk);
-    lk.unlock();
+    s_->barrier.leave();
+    if (failed) std::rethrow_exception(failed);
     // 3. no rank reuses its send buffer before every peer has read it
     for (int p = 0; p < s_->world; ++p) check(cudaStreamWaitEvent(st, s_->done[p], 0), "cudaStreamWaitEvent (all_gather)");
   }
@@ -990,10 +866,9 @@ class DeviceComm final : public Communicator {
 
 }  // namespace
 
-DeviceGroup::DeviceGroup(int world) : state_(std::make_unique<State>()) {
+DeviceGroup::DeviceGroup(int world) {
   INDEXCP_REQUIRE(world >= 1 && world <= 64, "world = " + std::to_string(world) + " must be in 1..64");
-  state_->world = world;
-  state_->ptrs.assign(static_cast<size_t>(world), nullptr);
+  state_ = std::make_unique<State>(world);
   state_->ready.resize(static_cast<size_t>(world));
   state_->done.resize(static_cast<size_t>(world));
   for (int r = 0; r < world; ++r) {
@@ -1015,10 +890,11 @@ Communicator& DeviceGroup::comm(int r) {
   return *state_->comms[static_cast<size_t>(r)];
 }
 
-void DeviceGroup::abort() {
-  std::lock_guard<std::mutex> lk(state_->mu);
-  state_->aborted = true;
-  state_->cv.notify_all();
+void DeviceGroup::abort() { state_->barrier.abort(); }
+
+void DeviceGroup::depart(int r) {
+  INDEXCP_REQUIRE(r >= 0 && r < state_->world, "rank = " + std::to_string(r) + " is out of range");
+  state_->barrier.depart(r);
 }
 
 void run_device_ranks(int world, const std::function<void(int, Communicator&, Stream)>& fn) {
@@ -1034,6 +910,7 @@ void run_device_ranks(int world, const std::function<void(int, Communicator&, St
         check(cudaSetDevice(dev), "cudaSetDevice");
         check(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "cudaStreamCreate");
         fn(r, group.comm(r), reinterpret_cast<Stream>(st));
+        group.depart(r);  // peers still waiting in a collective get an Error
         check(cudaStreamSynchronize(st), "cudaStreamSynchronize (rank)");
       } catch (...) {
         errors[static_cast<size_t>(r)] = std::current_exception();
@@ -1048,209 +925,5 @@ void run_device_ranks(int world, const std::function<void(int, Communicator&, St
   for (auto& t : threads) t.join();
   rethrow_rank_errors(errors);
 }
-
-// ---- DecodeStep -------------------------------------------------------------------------------
-
-struct DecodeStep::Impl {
-  std::vector<CacheView> caches;
-  int32_t W = 1, layer = 0;
-  DecodeShape shape;
-  DecodePath path = DecodePath::kReplicated;
-  bool p256_stock = true;
-  int64_t max_rows = 0, max_blocks = 0;
-  int32_t kk = 1;
-  std::vector<DeviceBuffer<float>> scores;  // per rank [max_rows][scored heads][max_blocks]
-  std::vector<DeviceBuffer<int32_t>> plans; // per rank: the scorer's work plan [max_requests + 1]
-  DeviceBuffer<Candidate> cands;            // [W][rows][H][kk]
-
-  const CacheView& cache_of(int32_t r) const { return caches[path == DecodePath::kIcp ? r : 0]; }
-  void scored_heads(int32_t r, int32_t* h0, int32_t* nh) const {
-    if (path == DecodePath::kReplicated) {
-      owned_heads(shape.heads, W, r, h0, nh);
-    } else {
-      *h0 = 0;
-      *nh = shape.heads;
-    }
-  }
-  bool stock(int32_t r) const {
-    const PageLayout& l = cache_of(r).layout();
-    if (l.rows() < kBlockTokens) return false;
-    if (path == DecodePath::kIcp && l.page_size == 256 && W == 2) return p256_stock;
-    return true;
-  }
-  BlockFilter filter(int32_t r) const {
-    return path == DecodePath::kDecodeCp ? BlockFilter{W, r} : BlockFilter{};
-  }
-  void check_batch(const DecodeBatch& b) const {
-    INDEXCP_REQUIRE(b.num_requests >= 0 && b.num_requests <= shape.max_requests,
-            "num_requests = " + std::to_string(b.num_requests) + " exceeds the step's max_requests = " +
-                std::to_string(shape.max_requests));
-    INDEXCP_REQUIRE(b.max_pages == shape.max_pages, "max_pages = " + std::to_string(b.max_pages) +
-                                                " differs from the step's max_pages = " + std::to_string(shape.max_pages));
-    INDEXCP_REQUIRE(b.query_len == shape.query_len, "query_len = " + std::to_string(b.query_len) +
-                                                " differs from the step's query_len = " + std::to_string(shape.query_len));
-    INDEXCP_REQUIRE(b.heads == shape.heads,
-            "heads = " + std::to_string(b.heads) + " differs from the step's heads = " + std::to_string(shape.heads));
-    if (b.num_requests > 0)
-      INDEXCP_REQUIRE(b.q != nullptr && b.seq_lens != nullptr && b.block_table != nullptr, "batch has a null device pointer");
-  }
-};
-
-namespace {
-std::vector<CacheView> views_of(const std::vector<const DeviceCache*>& caches) {
-  std::vector<CacheView> v;
-  for (size_t i = 0; i < caches.size(); ++i) {
-    INDEXCP_REQUIRE(caches[i] != nullptr, "caches[" + std::to_string(i) + "] is null");
-    v.push_back(caches[i]->view());
-  }
-  return v;
-}
-}  // namespace
-
-DecodeStep::DecodeStep(const std::vector<const DeviceCache*>& caches, int32_t world, int32_t layer,
-                       const DecodeShape& shape, DecodePath path, bool p256_stock)
-    : DecodeStep(views_of(caches), world, layer, shape, path, p256_stock) {}
-
-DecodeStep::DecodeStep(std::vector<CacheView> caches, int32_t world, int32_t layer, const DecodeShape& shape,
-                       DecodePath path, bool p256_stock)
-    : impl_(std::make_unique<Impl>()) {
-  Impl& m = *impl_;
-  prepare_device();
-  shape.sel.validate();
-  INDEXCP_REQUIRE(world >= 1 && world <= 64, "world = " + std::to_string(world) + " must be in 1..64");
-  check_heads_tp(shape.heads, world);
-  INDEXCP_REQUIRE(shape.query_len >= 1 && shape.query_len <= 16, "query_len = " + std::to_string(shape.query_len) + " is out of range 1..16");
-  INDEXCP_REQUIRE(shape.max_requests >= 1, "max_requests must be >= 1");
-  INDEXCP_REQUIRE(shape.max_pages >= 1, "max_pages must be >= 1");
-  for (size_t i = 0; i < caches.size(); ++i)
-    check_cache_view(caches[i], MemoryLocation::kDevice, "caches[" + std::to_string(i) + "]");
-  if (path == DecodePath::kIcp) {
-    INDEXCP_REQUIRE(static_cast<int32_t>(caches.size()) == world, "caches: kIcp needs one shard per rank (" + std::to_string(world) + ")");
-    for (int32_t r = 0; r < world; ++r) {
-      INDEXCP_REQUIRE(caches[r].layout().shards == world && caches[r].rank() == r,
-              "caches[" + std::to_string(r) + "] is not rank " + std::to_string(r) + " of " + std::to_string(world) + " shards");
-    }
-  } else {
-    INDEXCP_REQUIRE(!caches.empty(), "caches[0] is missing");
-    INDEXCP_REQUIRE(caches[0].layout().shards == 1, "caches[0] is sharded; kReplicated and kDecodeCp need a replicated cache");
-  }
-  for (const CacheView& c : caches) {
-    check_layer(c, layer);
-    check_not_bf16(c);
-  }
-  m.caches = caches;
-  m.W = world;
-  m.layer = layer;
-  m.shape = shape;
-  m.path = path;
-  m.p256_stock = p256_stock;
-  m.max_rows = static_cast<int64_t>(shape.max_requests) * shape.query_len;
-  m.max_blocks = max_blocks_of(shape.max_pages, m.caches[0].layout());
-  m.kk = shape.sel.ranked();
-  for (int32_t r = 0; r < world; ++r) {
-    int32_t h0, nh;
-    m.scored_heads(r, &h0, &nh);
-    m.scores.emplace_back(static_cast<size_t>(m.max_rows) * nh * m.max_blocks);
-    m.plans.emplace_back(static_cast<size_t>(shape.max_requests) + 1);
-  }
-  if (path != DecodePath::kReplicated) m.cands.resize(static_cast<size_t>(world) * m.max_rows * shape.heads * m.kk);
-  ensure_tables();
-}
-
-DecodeStep::~DecodeStep() = default;
-
-void DecodeStep::enqueue_score(int32_t r, const DecodeBatch& b, Stream stream) {
-  Impl& m = *impl_;
-  m.check_batch(b);
-  INDEXCP_REQUIRE(r >= 0 && r < m.W, "rank = " + std::to_string(r) + " is out of range");
-  int32_t h0, nh;
-  m.scored_heads(r, &h0, &nh);
-  ScoreLaunch sl = decode_score_launch(m.cache_of(r), m.layer, b, h0, nh, m.shape.mode, m.scores[r].get(), m.filter(r),
-                                       m.stock(r));
-  sl.plan = m.plans[r].get();
-  launch_score(sl, cs(stream));
-}
-
-void DecodeStep::enqueue_publish(int32_t r, const DecodeBatch& b, Stream stream) {
-  Impl& m = *impl_;
-  if (m.path == DecodePath::kReplicated) return;
-  m.check_batch(b);
-  INDEXCP_REQUIRE(r >= 0 && r < m.W, "rank = " + std::to_string(r) + " is out of range");
-  const int64_t per_rank = b.rows() * m.shape.heads * m.kk;
-  SelectLaunch pub;
-  pub.rows = decode_rows_view(b);
-  pub.scores = m.scores[r].get();
-  pub.max_blocks = m.max_blocks;
-  pub.nh = m.shape.heads;
-  pub.sel = m.shape.sel;
-  pub.cands = m.cands.get() + r * per_rank;  // the exchange: written straight into the shared buffer
-  pub.layout = m.cache_of(r).layout();
-  pub.rank = m.cache_of(r).rank();
-  pub.filter = m.filter(r);
-  launch_select(pub, cs(stream));
-}
-
-void DecodeStep::enqueue_select(int32_t r, const DecodeBatch& b, int32_t* out, Stream stream) {
-  Impl& m = *impl_;
-  m.check_batch(b);
-  INDEXCP_REQUIRE(r >= 0 && r < m.W, "rank = " + std::to_string(r) + " is out of range");
-  INDEXCP_REQUIRE(b.rows() == 0 || out != nullptr, "out is null");
-  int32_t h0, nh;
-  owned_heads(m.shape.heads, m.W, r, &h0, &nh);
-  if (m.W > m.shape.heads && r != h0 * m.W / m.shape.heads) return;  // another rank writes this head
-  if (m.path == DecodePath::kReplicated) {
-    SelectLaunch s;
-    s.rows = decode_rows_view(b);
-    s.scores = m.scores[r].get();
-    s.max_blocks = m.max_blocks;
-    s.nh = nh;
-    s.sel = m.shape.sel;
-    s.out = out;
-    s.out_heads = m.shape.heads;
-    s.out_h0 = h0;
-    launch_select(s, cs(stream));
-    return;
-  }
-  MergeLaunch mg;
-  mg.rows = decode_rows_view(b);
-  mg.cands = m.cands.get();
-  mg.world = m.W;
-  mg.heads = m.shape.heads;
-  mg.h0 = h0;
-  mg.nh = nh;
-  mg.sel = m.shape.sel;
-  mg.out = out;
-  mg.out_heads = m.shape.heads;
-  mg.out_h0 = h0;
-  launch_merge(mg, cs(stream));
-}
-
-void DecodeStep::run(const DecodeBatch& b, int32_t* out, Stream stream) {
-  Impl& m = *impl_;
-  m.check_batch(b);
-  for (int32_t r = 0; r < m.W; ++r) {
-    enqueue_score(r, b, stream);
-    enqueue_publish(r, b, stream);
-  }
-  for (int32_t r = 0; r < m.W; ++r) enqueue_select(r, b, out, stream);
-}
-
-int64_t DecodeStep::bytes_read(int32_t r, const std::vector<int32_t>& seq_lens) const {
-  const Impl& m = *impl_;
-  const KeySource k = key_source(m.cache_of(r), m.layer);
-  int64_t total = 0;
-  for (int32_t s : seq_lens) total += score_bytes_read(k, s, m.filter(r));
-  return total;
-}
-
-int64_t DecodeStep::workspace_bytes() const {
-  const Impl& m = *impl_;
-  int64_t b = 0;
-  for (const auto& s : m.scores) b += static_cast<int64_t>(s.size() * sizeof(float));
-  for (const auto& p : m.plans) b += static_cast<int64_t>(p.size() * sizeof(int32_t));
-  return b + static_cast<int64_t>(m.cands.size() * sizeof(Candidate));
-}
-
-bool DecodeStep::uses_stock_scorer(int32_t r) const { return impl_->stock(r); }
 
 }  // namespace indexcp::cuda

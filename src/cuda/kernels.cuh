@@ -12,6 +12,7 @@
 #include "indexcp/icp.hpp"
 #include "indexcp/indexer.hpp"
 #include "indexcp/layout.hpp"
+#include "indexcp/plan.hpp"
 
 namespace indexcp::cuda::detail {
 
@@ -76,6 +77,11 @@ struct SelectLaunch {
   PageLayout layout;  ///< publish: validity of a block on `rank` (rows stored), with `filter`
   int32_t rank = 0;
   BlockFilter filter;
+  /// publish: when non-null, block 0 also writes the step signature (plan.hpp) there: `sig` with
+  /// v[8] = the hash of rows.seq_lens[0, num_requests) and v[9] = of rows.query_start[0,
+  /// num_requests] (prefill; 0 for decode) computed on the device
+  uint32_t* signature = nullptr;
+  StepSignature sig;
 };
 /// Exact selection (section 4) or publish (section 5 step 2), one CTA per (row, head).
 void launch_select(const SelectLaunch& s, cudaStream_t stream);
@@ -87,6 +93,15 @@ struct MergeLaunch {
   SelectionParams sel;
   int32_t* out = nullptr;  ///< [rows, out_heads, K] at head offset out_h0
   int32_t out_heads = 1, out_h0 = 0;
+  /// candidates between the blocks of two ranks (0: rows * heads * ranked, packed)
+  int64_t rank_stride = 0;
+  /// when non-null: rank p's step signature at signature + p * rank_stride * 2 (uint32 words; the
+  /// plan's records). Every record must equal the signature of the step this rank merges (the
+  /// host fields of `expect`, the hashes of `rows` computed here): otherwise every output is -1,
+  /// and block 0 writes *status (StepStatus: 0 or 1) when status is non-null
+  const uint32_t* signature = nullptr;
+  StepSignature expect;
+  uint32_t* status = nullptr;
 };
 /// Merge (section 5 step 4), one CTA per (row, owned head).
 void launch_merge(const MergeLaunch& m, cudaStream_t stream);
@@ -95,6 +110,21 @@ void launch_merge(const MergeLaunch& m, cudaStream_t stream);
 /// [num_pages, rows, 128]. Pages on grid x.
 void launch_stage_fp8(const uint8_t* layer_base, const PageLayout& layout, int64_t cache_pages,
                       const int32_t* pages, int64_t num_pages, uint8_t* out, cudaStream_t stream);
+
+/// Prefill gather plan, on the device: unit_first[b] = the first (request, page) unit of request
+/// b (exclusive prefix over requests of ceil(((seq_len - 1) / 128) * 128 / P) pages for requests
+/// with T_b > 0 and seq_len > 0), unit_first[num_requests] = the total; *status = 2 when the total
+/// exceeds `max_units` (the host extents), else 0. One CTA.
+void launch_gather_units(const int32_t* seq_lens, const int32_t* query_start, int32_t num_requests,
+                         int32_t page_size, int64_t max_units, int32_t* unit_first, uint32_t* status,
+                         cudaStream_t stream);
+/// One chunk [c0, c0 + n) of the units: phys[u - c0] = block_table[b][i] for the chunk's units
+/// (request b, logical page i), bt_local[b][i] = u - c0 for them and -1 for every other entry.
+void launch_gather_chunk(const int32_t* block_table, int32_t num_requests, int32_t max_pages,
+                         const int32_t* unit_first, int64_t c0, int64_t n, int32_t* phys,
+                         int32_t* bt_local, cudaStream_t stream);
+/// out[0, n) = -1 when *status != 0 (the step's outputs of a refused plan step).
+void launch_poison_if(const uint32_t* status, int32_t* out, int64_t n, cudaStream_t stream);
 
 /// Uploads the E4M3 k_hat table (|e2m1 code| x |scale| rounded to E4M3, per scale byte) to the
 /// current device once. Call before any graph capture (DeviceCache's constructor does).

@@ -311,6 +311,49 @@ struct SelectProblem {
   }
 };
 
+// The hashes of a step signature (plan.hpp: v[8] over seq_lens, v[9] over query_start), by one
+// whole warp; every lane gets them.
+__device__ __forceinline__ void step_hashes(const RowsView& rows, uint32_t& h8, uint32_t& h9) {
+  const int lane = threadIdx.x & 31;
+  h8 = 0u;
+  h9 = 0u;
+  for (int32_t i = lane; i < rows.num_requests; i += 32) h8 += step_signature_term(i, rows.seq_lens[i]);
+  if (rows.query_start != nullptr)
+    for (int32_t i = lane; i <= rows.num_requests; i += 32) h9 += step_signature_term(i, rows.query_start[i]);
+  h8 = __reduce_add_sync(0xffffffffu, h8);
+  h9 = __reduce_add_sync(0xffffffffu, h9);
+}
+
+// Word k of the signature of this step: the host fields of `sig` with the device hashes.
+__device__ __forceinline__ uint32_t signature_word(const StepSignature& sig, int k, uint32_t h8, uint32_t h9) {
+  uint32_t w = 0u;
+#pragma unroll
+  for (int j = 0; j < 16; ++j)
+    if (k == j) w = j == 8 ? h8 : (j == 9 ? h9 : sig.v[j]);
+  return w;
+}
+
+// The step signature of a plan's exchange record: warp 0 of block 0 of a publish.
+__device__ __noinline__ void write_step_signature(const SelectLaunch& s) {
+  uint32_t h8, h9;
+  step_hashes(s.rows, h8, h9);
+  const int lane = threadIdx.x & 31;
+  if (lane < 16) s.signature[lane] = signature_word(s.sig, lane, h8, h9);
+}
+
+// True (on every lane of the warp) when some rank's record carries another signature than the
+// step this rank merges (the merge's rows and the plan's fields in mg.expect).
+__device__ __noinline__ bool signatures_differ(const MergeLaunch& mg) {
+  uint32_t h8, h9;
+  step_hashes(mg.rows, h8, h9);
+  const int lane = threadIdx.x & 31;
+  const uint32_t mine = signature_word(mg.expect, lane & 15, h8, h9);
+  bool differ = false;
+  for (int p = lane >> 4; p < mg.world; p += 2)
+    differ |= mg.signature[static_cast<int64_t>(p) * mg.rank_stride * 2 + (lane & 15)] != mine;
+  return __any_sync(0xffffffffu, differ);
+}
+
 // PUBLISH: a kernel instance each for select and publish (one instance holding both paths was
 // 9,144 instructions long and stalled on instruction fetch: bench/NOTES.md, v10)
 template <bool PUBLISH>
@@ -318,6 +361,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) select_warp_kernel(const Se
   __shared__ WarpSmem shm[kWarpsPerCta];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t problem = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + warp;
+  if (PUBLISH && s.signature != nullptr && blockIdx.x == 0 && warp == 0) write_step_signature(s);
   if (problem >= s.rows.rows * s.nh) return;
   WarpSmem& sh = shm[warp];
   const SelectProblem pb(s, problem, PUBLISH);
@@ -455,6 +499,7 @@ template <bool PUBLISH>
 __global__ void __launch_bounds__(kSelThreads) select_cta_kernel(const SelectLaunch s) {
   __shared__ SelSmem sh;
   const int tid = threadIdx.x;
+  if (PUBLISH && s.signature != nullptr && blockIdx.x == 0 && tid < 32) write_step_signature(s);
   const SelectProblem pb(s, blockIdx.x, PUBLISH);
   const SelectionParams sel = s.sel;
   const int32_t kk = pb.kk, local = pb.local, n = pb.n, init = pb.init;
@@ -580,6 +625,16 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) merge_kernel(const MergeLau
   const int32_t kk = sel.topk - 1 - sel.init_blocks;
   const int32_t init = sel.init_blocks;
   int32_t* o = mg.out + (row * mg.out_heads + mg.out_h0 + hh) * sel.topk;
+  const int64_t per_rank = mg.rank_stride != 0 ? mg.rank_stride : mg.rows.rows * mg.heads * kk;
+  if (mg.signature != nullptr) {  // the plans' step signatures: every rank ran this step?
+    const bool differ = signatures_differ(mg);
+    if (mg.status != nullptr && problem == 0 && lane == 0)
+      *mg.status = differ ? static_cast<uint32_t>(StepStatus::kRanksDisagree) : 0u;
+    if (differ) {
+      for (int q = lane; q < sel.topk; q += 32) o[q] = -1;
+      return;
+    }
+  }
   const int64_t pos = row_position(mg.rows, row);
   const int64_t n_vis = pos < 0 ? 0 : pos / kBlockTokens + 1;
   if (n_vis <= sel.topk) {
@@ -588,7 +643,6 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) merge_kernel(const MergeLau
   }
   const int32_t local = static_cast<int32_t>(n_vis - 1);
   const int32_t m = mg.world * kk;  // <= kStaged / 2 (checked at launch)
-  const int64_t per_rank = mg.rows.rows * mg.heads * kk;
   const Candidate* base_c = mg.cands + (row * mg.heads + h) * kk;
   if (m <= 32) {  // fast path (e.g. W = 2, K = 16): one entry per lane, three warp sorts in registers
     uint32_t k = 0u;
@@ -669,6 +723,13 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) merge_kernel(const MergeLau
   for (int k = init + got + lane; k < sel.topk; k += 32) o[k] = k == init + got ? local : -1;
 }
 
+__global__ void signature_kernel(const SelectLaunch s) { write_step_signature(s); }
+
+__global__ void signature_status_kernel(const MergeLaunch mg) {
+  const bool differ = signatures_differ(mg);
+  if (threadIdx.x == 0) *mg.status = differ ? static_cast<uint32_t>(StepStatus::kRanksDisagree) : 0u;
+}
+
 }  // namespace
 
 // INDEXCP_SELECT = warp | cta forces a kernel (tests run both); otherwise the CTA kernel when the
@@ -678,7 +739,13 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) merge_kernel(const MergeLau
 // 14.8 us with the CTA kernel; publish 2,048 problems 32.8 (warp) vs 41.6 us (CTA).
 void launch_select(const SelectLaunch& s, cudaStream_t stream) {
   const int64_t problems = s.rows.rows * s.nh;
-  if (problems == 0) return;
+  if (problems == 0) {
+    if (s.cands != nullptr && s.signature != nullptr) {  // a step without rows still signs its record
+      signature_kernel<<<1, 32, 0, stream>>>(s);
+      INDEXCP_CUDA_LAUNCH_CHECK("signature kernel launch");
+    }
+    return;
+  }
   INDEXCP_REQUIRE(problems < (int64_t{1} << 31), "select launch too large");
   bool cta;
   const char* e = std::getenv("INDEXCP_SELECT");
@@ -703,7 +770,13 @@ void launch_select(const SelectLaunch& s, cudaStream_t stream) {
 
 void launch_merge(const MergeLaunch& m, cudaStream_t stream) {
   const int64_t problems = m.rows.rows * m.nh;
-  if (problems == 0) return;
+  if (problems == 0) {
+    if (m.signature != nullptr && m.status != nullptr) {  // no rows: the agreement alone
+      signature_status_kernel<<<1, 32, 0, stream>>>(m);
+      INDEXCP_CUDA_LAUNCH_CHECK("signature status kernel launch");
+    }
+    return;
+  }
   const int64_t ctas = ceil_div(problems, kWarpsPerCta);
   INDEXCP_REQUIRE(ctas < (int64_t{1} << 31), "merge launch too large");
   if (static_cast<int64_t>(m.world) * (m.sel.topk - 1 - m.sel.init_blocks) > kStaged / 2)

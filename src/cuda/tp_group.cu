@@ -10,6 +10,7 @@
 #include "common.cuh"
 #include "indexcp/cuda.hpp"
 #include "indexcp/error.hpp"
+#include "indexcp/plan.hpp"
 #include "indexcp/tp_group.hpp"
 
 namespace indexcp {
@@ -124,6 +125,11 @@ class CudaTpIndexer final : public TpIndexer {
     for (auto& c : caches_) cuda::insert_keys(c, 0, k.get(), s.get(), n, o, nullptr);
   }
 
+  // One decode step through the plans of the engine API (cuda::DecodePlan, one per rank): the
+  // resolved config picks the path. Simulated ranks: each rank's plan runs on its own thread and
+  // stream through the in-process device group; its time is then taken as CUDA graph replays of
+  // that rank's plan (as an engine runs it). A rank of a process group: its plan on its stream,
+  // the exchange through the group's communicator.
   std::vector<int32_t> decode(const DecodeBatch& b, const SelectionParams& sel, StepStats* st) override {
     sel.validate();
     (void)decode_rows(b, caches_[0].num_pages(), cfg_.engine.page_size);  // the CPU's checks and messages
@@ -131,21 +137,107 @@ class CudaTpIndexer final : public TpIndexer {
     Dev<uint8_t> q(b.q, static_cast<size_t>(rows) * b.heads * kHeadDim);
     Dev<int32_t> bt(b.block_table, static_cast<size_t>(b.num_requests) * b.max_pages);
     Dev<int32_t> sl(b.seq_lens, static_cast<size_t>(b.num_requests));
-    DecodeBatch d = b;
-    d.q = q.get();
-    d.block_table = bt.get();
-    d.seq_lens = sl.get();
-    return run(rows, b.heads, sel, st, [&](int rank, Communicator& comm, int32_t* out, cuda::Stream s) {
-      if (cfg_.sharding) {
-        cuda::icp_decode(comm, cache(rank), 0, d, sel, cfg_.k_rounding, out, s, false, cfg_.p256_stock_decode);
-      } else if (cfg_.decode_cp) {
-        cuda::decode_cp_replicated(comm, cache(0), 0, d, sel, cfg_.k_rounding, out, s, false);
-      } else {
-        int32_t h0, nh;
-        owned_heads(d.heads, comm.world(), rank, &h0, &nh);
-        cuda::decode_select(cache(0), 0, d, h0, nh, sel, cfg_.k_rounding, out, s, false);
+    const DeviceDecodeBatch d{q.get(), bt.get(), sl.get(), b.num_requests};
+    check_heads_tp(b.heads, cfg_.engine.tp);
+    DecodeLimits lim;
+    lim.max_requests = std::max(1, b.num_requests);
+    lim.max_pages = std::max(1, b.max_pages);
+    lim.query_len = b.query_len;
+    lim.heads = b.heads;
+    lim.sel = sel;
+    const int W = cfg_.engine.tp;
+    std::vector<cuda::DecodePlan> plans;
+    std::vector<cuda::detail::DeviceBuffer<uint8_t>> ws;
+    for (int r = 0; r < W; ++r) {
+      if (group_ && r != group_->rank()) continue;
+      plans.emplace_back(cfg_, r, lim);
+      ws.emplace_back(plans.back().workspace_bytes());
+    }
+    cuda::detail::DeviceBuffer<uint32_t> status(static_cast<size_t>(W));
+    auto plan_of = [&](int rank) -> size_t { return group_ ? 0 : static_cast<size_t>(rank); };
+    auto res = run(rows, b.heads, sel, st, [&](int rank, Communicator& comm, int32_t* out, cuda::Stream s) {
+      const size_t i = plan_of(rank);
+      plans[i].run(cache(rank), 0, d, ws[i].get(), ws[i].size(), out, &comm, status.get() + rank, s);
+      uint32_t h = 0;
+      if (plans[i].path() != DecodePath::kReplicated && rows > 0) {
+        const auto cst = reinterpret_cast<cudaStream_t>(s);
+        cuda::detail::check(cudaMemcpyAsync(&h, status.get() + rank, sizeof(h), cudaMemcpyDeviceToHost, cst),
+                            "cudaMemcpyAsync (step status)");
+        comm.synchronize(s);
+        cuda::detail::check(cudaStreamSynchronize(cst), "cudaStreamSynchronize (step status)");
       }
+      if (h != 0) throw Error(ErrorCode::kRuntime, step_status_message(h, "decode"));
     });
+    if (st && !group_ && rows > 0) {
+      st->us_per_rank = graph_us_per_rank(plans, ws, d, rows * plans[0].num_heads() * sel.topk);
+      st->timing = "each rank's decode plan as CUDA graph replays on one GPU (score + publish, then merge; the "
+                   "in-process exchange excluded), median of 20 after 3 warm-up replays, L2 not flushed";
+    } else if (st && group_) {
+      st->timing = "this rank's stream from its first to its last launch (CUDA events), eager, the NCCL exchange "
+                   "included";
+    }
+    return res;
+  }
+
+  // The mean over ranks of each rank's plan replayed as a CUDA graph: the exchanging paths as
+  // publish (into the rank's send record) + merge (of the records the step just exchanged, still in
+  // the rank's receive buffer), the replicated path as its whole run.
+  double graph_us_per_rank(const std::vector<cuda::DecodePlan>& plans,
+                           const std::vector<cuda::detail::DeviceBuffer<uint8_t>>& ws, const DeviceDecodeBatch& d,
+                           int64_t out_elems) {
+    cudaStream_t s = nullptr;
+    cudaEvent_t e0 = nullptr, e1 = nullptr;
+    cuda::detail::check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate (timing)");
+    cuda::detail::check(cudaEventCreate(&e0), "cudaEventCreate (timing)");
+    cuda::detail::check(cudaEventCreate(&e1), "cudaEventCreate (timing)");
+    cuda::detail::DeviceBuffer<int32_t> out(static_cast<size_t>(std::max<int64_t>(1, out_elems)));
+    const auto ss = reinterpret_cast<cuda::Stream>(s);
+    double total = 0;
+    try {
+      for (size_t r = 0; r < plans.size(); ++r) {
+        const cuda::DecodePlan& p = plans[r];
+        cudaGraph_t g = nullptr;
+        cudaGraphExec_t ge = nullptr;
+        cuda::detail::check(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
+        try {
+          if (p.path() == DecodePath::kReplicated) {
+            p.run(cache(static_cast<int>(r)), 0, d, ws[r].get(), ws[r].size(), out.get(), nullptr, nullptr, ss);
+          } else {
+            p.publish(cache(static_cast<int>(r)), 0, d, ws[r].get(), ws[r].size(), p.send_buffer(ws[r].get()), ss);
+            p.merge(d, p.recv_buffer(ws[r].get()), out.get(), nullptr, ss);
+          }
+        } catch (...) {
+          cudaStreamEndCapture(s, &g);
+          if (g) cudaGraphDestroy(g);
+          throw;
+        }
+        cuda::detail::check(cudaStreamEndCapture(s, &g), "cudaStreamEndCapture");
+        cuda::detail::check(cudaGraphInstantiate(&ge, g, 0), "cudaGraphInstantiate");
+        std::vector<float> t;
+        for (int i = 0; i < 23; ++i) {
+          cuda::detail::check(cudaEventRecord(e0, s), "cudaEventRecord");
+          cuda::detail::check(cudaGraphLaunch(ge, s), "cudaGraphLaunch");
+          cuda::detail::check(cudaEventRecord(e1, s), "cudaEventRecord");
+          cuda::detail::check(cudaEventSynchronize(e1), "cudaEventSynchronize");
+          float ms = 0;
+          cuda::detail::check(cudaEventElapsedTime(&ms, e0, e1), "cudaEventElapsedTime");
+          if (i >= 3) t.push_back(ms);
+        }
+        std::nth_element(t.begin(), t.begin() + t.size() / 2, t.end());
+        total += static_cast<double>(t[t.size() / 2]) * 1e3;
+        cudaGraphExecDestroy(ge);
+        cudaGraphDestroy(g);
+      }
+    } catch (...) {
+      cudaEventDestroy(e0);
+      cudaEventDestroy(e1);
+      cudaStreamDestroy(s);
+      throw;
+    }
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    cudaStreamDestroy(s);
+    return total / static_cast<double>(plans.size());
   }
 
   std::vector<int32_t> prefill(const PrefillBatch& b, const SelectionParams& sel, StepStats* st) override {
@@ -174,7 +266,11 @@ class CudaTpIndexer final : public TpIndexer {
         cuda::prefill_select(cache(0), 0, d, h0, nh, sel, out, s);
       }
     });
-    if (st) st->gather_reserved_bytes = *std::max_element(reserved.begin(), reserved.end());
+    if (st) {
+      st->gather_reserved_bytes = *std::max_element(reserved.begin(), reserved.end());
+      st->timing = group_ ? "this rank's stream (CUDA events), eager, synchronous entry points"
+                          : "host wall time of each rank's thread around its synchronous prefill call";
+    }
     return res;
   }
 

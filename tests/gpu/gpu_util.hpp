@@ -71,6 +71,20 @@ class DevArr {
   size_t n_ = 0;
 };
 
+/// True when a captured graph holds a memory allocation or free node.
+inline bool graph_has_alloc_node(cudaGraph_t g) {
+  size_t n = 0;
+  cudaGraphGetNodes(g, nullptr, &n);
+  std::vector<cudaGraphNode_t> nodes(n);
+  cudaGraphGetNodes(g, nodes.data(), &n);
+  for (auto node : nodes) {
+    cudaGraphNodeType t;
+    cudaGraphNodeGetType(node, &t);
+    if (t == cudaGraphNodeTypeMemAlloc || t == cudaGraphNodeTypeMemFree) return true;
+  }
+  return false;
+}
+
 /// A decode batch's arrays on the device.
 struct DevDecode {
   DevArr<uint8_t> q;

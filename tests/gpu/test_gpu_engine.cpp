@@ -325,19 +325,6 @@ TEST(GpuEngine, DuplicateCheckAtItsEdgesEqualsTheCpu) {
   CUDA_OK(cudaStreamDestroy(st));
 }
 
-bool graph_has_alloc_node(cudaGraph_t g) {
-  size_t n = 0;
-  cudaGraphGetNodes(g, nullptr, &n);
-  std::vector<cudaGraphNode_t> nodes(n);
-  cudaGraphGetNodes(g, nodes.data(), &n);
-  for (auto node : nodes) {
-    cudaGraphNodeType t;
-    cudaGraphNodeGetType(node, &t);
-    if (t == cudaGraphNodeTypeMemAlloc || t == cudaGraphNodeTypeMemFree) return true;
-  }
-  return false;
-}
-
 // Insert (fp32 and bf16, RMSNorm + RoPE from the table) and Q cast captured in one graph in
 // cudaStreamCaptureModeGlobal, replayed with new keys, slots, positions and q written into the same
 // device buffers: the cache, the E4M3 q and the status equal eager execution; no allocation node.

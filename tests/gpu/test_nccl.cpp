@@ -331,8 +331,8 @@ TEST(NcclSingle, IcpDecodeAndDecodeCpOnOneShardEqualReplicated) {
                                  (mode == KRounding::kExact ? " exact" : " e4m3");
         const auto c = check_decode(*comm, s, dt, mode, false, true, st);
         EXPECT_TRUE(c.equal) << what << ": " << c.mismatch;
-        // each rank publishes rows x H x (K-1) records of 8 bytes
-        EXPECT_EQ(c.sent, static_cast<size_t>(s.rows()) * s.H * (16 - 1) * 8) << what;
+        // each rank publishes rows x H x (K-1) records of 8 bytes and the 64-byte step signature
+        EXPECT_EQ(c.sent, static_cast<size_t>(s.rows()) * s.H * (16 - 1) * 8 + kStepSignatureBytes) << what;
         const auto cp = check_decode(*comm, s, dt, mode, true, true, st);
         EXPECT_TRUE(cp.equal) << what << " decode CP: " << cp.mismatch;
       }
@@ -625,7 +625,7 @@ TEST(NcclMulti, DecodeCpEqualsReplicated) {
       const auto s = decode_scene(P, 60u + P);
       const auto c = check_decode(comm, s, dt, KRounding::kE4m3, true, true, st);
       EXPECT_TRUE(c.equal) << to_string(dt) << " P" << P << ": " << c.mismatch;
-      EXPECT_EQ(c.sent, static_cast<size_t>(s.rows()) * s.H * 15 * 8);
+      EXPECT_EQ(c.sent, static_cast<size_t>(s.rows()) * s.H * 15 * 8 + kStepSignatureBytes);
     }
 }
 
