@@ -208,6 +208,7 @@ do_plan() {
       --gtest_color=no > "$RES/san-plan-$tool.log" 2>&1
     log "$tool ${PLAN_FILTER:-GpuPlan.*:GpuCollectives.*} rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|^\[  (PASSED|FAILED) \]' "$RES/san-plan-$tool.log" | tr '\n' ' ')"
   done
+  [ "${PLAN_BENCH:-1}" = 1 ] || return 0
   bench "decode-plan-h200-$d" decode
   log "example: engine_step"
   timeout 300 "$BUILD_DIR/example_engine_step" ${EXAMPLE_ARGS:-} > "$RES/example-engine-step.log" 2>&1

@@ -157,7 +157,7 @@ class CudaTpIndexer final : public TpIndexer {
     auto plan_of = [&](int rank) -> size_t { return group_ ? 0 : static_cast<size_t>(rank); };
     auto res = run(rows, b.heads, sel, st, [&](int rank, Communicator& comm, int32_t* out, cuda::Stream s) {
       const size_t i = plan_of(rank);
-      plans[i].run(cache(rank), 0, d, ws[i].get(), ws[i].size(), out, &comm, status.get() + rank, s);
+      plans[i].run(rank_cache(rank), 0, d, ws[i].get(), ws[i].size(), out, &comm, status.get() + rank, s);
       uint32_t h = 0;
       if (plans[i].path() != DecodePath::kReplicated && rows > 0) {
         const auto cst = reinterpret_cast<cudaStream_t>(s);
@@ -201,9 +201,9 @@ class CudaTpIndexer final : public TpIndexer {
         cuda::detail::check(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
         try {
           if (p.path() == DecodePath::kReplicated) {
-            p.run(cache(static_cast<int>(r)), 0, d, ws[r].get(), ws[r].size(), out.get(), nullptr, nullptr, ss);
+            p.run(rank_cache(static_cast<int>(r)), 0, d, ws[r].get(), ws[r].size(), out.get(), nullptr, nullptr, ss);
           } else {
-            p.publish(cache(static_cast<int>(r)), 0, d, ws[r].get(), ws[r].size(), p.send_buffer(ws[r].get()), ss);
+            p.publish(rank_cache(static_cast<int>(r)), 0, d, ws[r].get(), ws[r].size(), p.send_buffer(ws[r].get()), ss);
             p.merge(d, p.recv_buffer(ws[r].get()), out.get(), nullptr, ss);
           }
         } catch (...) {
@@ -425,6 +425,9 @@ class CudaTpIndexer final : public TpIndexer {
   // rank r's cache: simulated ranks keep one per rank (sharded) or one shared copy; a process
   // rank keeps only its own (first_ is its rank when sharded, 0 otherwise)
   cuda::DeviceCache& cache(int rank) { return caches_.at(static_cast<size_t>(rank - first_)); }
+  // the cache rank r reads: its shard, or the one replicated copy (simulated: caches_[0]; a
+  // process rank: its own full copy)
+  cuda::DeviceCache& rank_cache(int rank) { return cfg_.shards > 1 ? cache(rank) : caches_.at(0); }
 
   ResolvedConfig cfg_;
   Communicator* group_ = nullptr;
