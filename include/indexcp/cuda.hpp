@@ -297,7 +297,10 @@ class DecodePlan {
   int32_t num_heads() const;
   /// Device bytes of workspace (a 16-byte aligned pointer; sub-buffers at 256-byte offsets): the
   /// block scores, the scorer's work plan, and for the exchanging paths one send record and
-  /// world() receive records (the built-in exchange's buffers).
+  /// world() receive records (the built-in exchange's buffers). The plan never reads a byte of it
+  /// that the same step did not write, but the exchange copies whole records (rows past the
+  /// step's included): zero-fill the workspace once after allocating it if a memory checker
+  /// (compute-sanitizer initcheck) watches the program.
   size_t workspace_bytes() const;
   size_t exchange_bytes() const;
   ExchangeLayout exchange() const;

@@ -659,6 +659,7 @@ void run_decode_plan(const DecodeSpec& spec, Communicator& comm, const CacheView
   if (batch.rows() == 0) return;
   const DecodePlan::Impl plan(spec);
   Tmp<uint8_t> ws(plan.ws.total, st);
+  check(cudaMemsetAsync(ws.get(), 0, plan.ws.total, st), "cudaMemsetAsync (workspace)");  // whole records are exchanged
   const DeviceDecodeBatch d{batch.q, batch.block_table, batch.seq_lens, batch.num_requests};
   plan.run(cache, layer, d, ws.get(), plan.ws.total, out, &comm, nullptr, st);
 }
@@ -731,6 +732,7 @@ void run_prefill_plan(const PrefillSpec& spec, Communicator& comm, const CacheVi
                       const char* call) {
   const PrefillPlan::Impl plan(spec);
   Tmp<uint8_t> ws(plan.ws.total, st);
+  check(cudaMemsetAsync(ws.get(), 0, plan.ws.total, st), "cudaMemsetAsync (workspace)");  // whole records are exchanged
   Tmp<uint32_t> status(1, st);
   check(cudaMemsetAsync(status.get(), 0, sizeof(uint32_t), st), "cudaMemsetAsync (status)");
   const DevicePrefillBatch d{batch.q, batch.block_table, batch.seq_lens, batch.query_start, batch.num_requests};

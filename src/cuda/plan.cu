@@ -681,9 +681,17 @@ DecodeStep::DecodeStep(std::vector<CacheView> caches, int32_t world, int32_t lay
     s.limits.sel = shape.sel;
     m.plans.emplace_back(s);
   }
-  // each rank's scores and work plan (its send and receive records are the shared ones below)
-  for (int32_t r = 0; r < world; ++r) m.work.emplace_back(m.plans[r].ws.send ? m.plans[r].ws.send : m.plans[r].ws.total);
-  if (path != DecodePath::kReplicated) m.records.resize(m.plans[0].ex.record_bytes * static_cast<size_t>(world));
+  // each rank's scores and work plan (its send and receive records are the shared ones below),
+  // zero-filled once: the exchange copies whole records (docs/embedding.md section 8)
+  for (int32_t r = 0; r < world; ++r) {
+    m.work.emplace_back(m.plans[r].ws.send ? m.plans[r].ws.send : m.plans[r].ws.total);
+    check(cudaMemset(m.work.back().get(), 0, m.work.back().size()), "cudaMemset (workspace)");
+  }
+  if (path != DecodePath::kReplicated) {
+    m.records.resize(m.plans[0].ex.record_bytes * static_cast<size_t>(world));
+    check(cudaMemset(m.records.get(), 0, m.records.size()), "cudaMemset (records)");
+  }
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize (DecodeStep workspace)");
   ensure_tables();
 }
 

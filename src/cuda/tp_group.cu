@@ -152,7 +152,10 @@ class CudaTpIndexer final : public TpIndexer {
       if (group_ && r != group_->rank()) continue;
       plans.emplace_back(cfg_, r, lim);
       ws.emplace_back(plans.back().workspace_bytes());
+      // zero-filled once (the exchange copies whole records, stale rows included)
+      cuda::detail::check(cudaMemset(ws.back().get(), 0, ws.back().size()), "cudaMemset (workspace)");
     }
+    cuda::detail::check(cudaDeviceSynchronize(), "cudaDeviceSynchronize (workspace)");
     cuda::detail::DeviceBuffer<uint32_t> status(static_cast<size_t>(W));
     auto plan_of = [&](int rank) -> size_t { return group_ ? 0 : static_cast<size_t>(rank); };
     auto res = run(rows, b.heads, sel, st, [&](int rank, Communicator& comm, int32_t* out, cuda::Stream s) {

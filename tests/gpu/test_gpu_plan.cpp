@@ -92,6 +92,7 @@ std::vector<std::vector<int32_t>> run_plans(const Scene& s, const DecodeLimits& 
   cuda::run_device_ranks(s.W, [&](int r, Communicator& comm, cuda::Stream st) {
     cuda::DecodePlan plan(s.cfg, r, lim);
     DevArr<uint8_t> ws(plan.workspace_bytes());
+    ws.fill_bytes(0);  // the exchange copies whole records (initcheck)
     DevArr<int32_t> out(static_cast<size_t>(d.b.rows()) * plan.num_heads() * lim.sel.topk);
     DevArr<uint32_t> status(1);
     plan.run(s.dcache(r), 0, dev_batch(d), ws.get(), plan.workspace_bytes(), out.get(), &comm, status.get(), st);
@@ -241,10 +242,12 @@ TEST(GpuPlan, SplitExchangeAndGraphReplayEqualEager) {
     for (int32_t r = 0; r < W; ++r) {
       plans.emplace_back(c, r, lim);
       ws.emplace_back(plans[r].workspace_bytes());
+      ws.back().fill_bytes(0);
       out.emplace_back(static_cast<size_t>(4 * Q) * plans[r].num_heads() * 16);
     }
     const size_t rec = plans[0].exchange_bytes();
     DevArr<uint8_t> sends(rec * W + 8), recv(rec * W + 8);
+    sends.fill_bytes(0);
     DevArr<uint32_t> status(W);
     DeviceDecodeBatch b = dev_batch(d);
     auto step = [&] {
@@ -321,6 +324,9 @@ TEST(GpuPlan, StepSignatureCatchesRanksThatDisagree) {
     DeviceDecodeBatch b0 = dev_batch(d0), b1 = dev_batch(d1);
     if (variant == 1) b1.num_requests = 2;  // rank 1 saw one request fewer
     DevArr<uint8_t> ws0(plans[0].workspace_bytes()), ws1(plans[1].workspace_bytes()), recv(rec * W);
+    ws0.fill_bytes(0);
+    ws1.fill_bytes(0);
+    recv.fill_bytes(0);
     DevArr<int32_t> o0(3 * 2 * 16), o1(3 * 2 * 16);
     DevArr<uint32_t> st(2);
     o0.fill_bytes(0x11);
@@ -455,6 +461,7 @@ TEST(GpuPlan, PrefillEqualsTheExistingEntryPointsBitForBit) {
       cuda::run_device_ranks(v.W, [&](int r, Communicator& comm, cuda::Stream st) {
         cuda::PrefillPlan plan(c, r, lim);
         DevArr<uint8_t> ws(plan.workspace_bytes());
+        ws.fill_bytes(0);
         DevArr<int32_t> out(static_cast<size_t>(e.rows) * plan.num_heads() * 16);
         DevArr<uint32_t> status(1);
         plan.run(p.s.dcache(r), 0, d.dev(), ee, ws.get(), ws.size(), out.get(), &comm, status.get(), st);
@@ -487,6 +494,49 @@ TEST(GpuPlan, PrefillEqualsTheExistingEntryPointsBitForBit) {
       if (v.budget_mib == 1 && variant == 0) EXPECT_GT(chunks[0], 1) << tag << ": the test wants several chunks";
     }
   }
+}
+
+// The prefill plans on exact keys equal the CPU plans bit for bit (every path; the gather in
+// several chunks, its unit lists built on the device). Small enough for racecheck.
+TEST(GpuPlan, PrefillEqualsTheCpuPlan) {
+  REQUIRE_GPU();
+  for (PrefillCp pcp : {PrefillCp::kGather, PrefillCp::kLocalScore})
+    for (Mode m : {Mode::kSharded, Mode::kReplicated}) {
+      if (m == Mode::kReplicated && pcp == PrefillCp::kLocalScore) continue;
+      const ResolvedConfig c = config(KvDtype::kNvfp4, 128, 2, 4, 1, m, pcp, 1);
+      Scene s(c, {2700, 900, 3300}, 71u, true);
+      std::vector<int32_t> qs = {0, 40, 100, 130};
+      const auto qp = int_q(130, 4, 72u);
+      const PrefillBatch hb = prefill_batch(s.req, qp, 4, qs);
+      const PrefillExtents e = prefill_extents(hb, 128);
+      PrefillLimits lim;
+      lim.max_requests = 3;
+      lim.max_pages = s.req.max_pages;
+      lim.max_rows = 130;
+      lim.heads = 4;
+      DevArr<uint8_t> q(qp);
+      DevArr<int32_t> bt(s.req.block_table), sl(s.req.seq_lens), qsd(qs);
+      const DevicePrefillBatch db{q.get(), bt.get(), sl.get(), qsd.get(), 3};
+      std::vector<std::vector<int32_t>> g(2), h(2);
+      cuda::run_device_ranks(2, [&](int r, Communicator& comm, cuda::Stream st) {
+        cuda::PrefillPlan plan(c, r, lim);
+        DevArr<uint8_t> ws(plan.workspace_bytes());
+        ws.fill_bytes(0);
+        DevArr<int32_t> out(static_cast<size_t>(130) * plan.num_heads() * 16);
+        plan.run(s.dcache(r), 0, db, e, ws.get(), ws.size(), out.get(), &comm, nullptr, st);
+        cudaStreamSynchronize(reinterpret_cast<cudaStream_t>(st));
+        g[r] = out.host();
+      });
+      run_ranks(2, [&](int r, Communicator& comm) {
+        PrefillPlan plan(c, r, lim);
+        std::vector<uint8_t> ws(plan.workspace_bytes() + 16);
+        void* w = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(ws.data()) + 15) / 16 * 16);
+        h[r].assign(static_cast<size_t>(130) * plan.num_heads() * 16, 0);
+        const DevicePrefillBatch hd{hb.q, hb.block_table, hb.seq_lens, hb.query_start, 3};
+        plan.run(s.hcache(r), 0, hd, e, w, plan.workspace_bytes(), h[r].data(), &comm);
+      });
+      for (int r = 0; r < 2; ++r) EXPECT_EQ(g[r], h[r]) << to_string(prefill_path(c)) << " rank " << r;
+    }
 }
 
 // A replicated prefill chunk captured in a graph and replayed with another chunk's metadata
