@@ -205,6 +205,9 @@ void DecodePlan::Impl::enqueue_publish(const CacheView& cache, const DeviceDecod
   pub.rank = cache.rank();
   pub.filter = filter;
   pub.signature = at<uint32_t>(send, ex.signature_offset);
+#ifdef INDEXCP_AB_NO_STEP_SIGNATURE  // A/B builds of bench/NOTES.md only: the step without its signature
+  pub.signature = nullptr;
+#endif
   pub.sig = base_signature(b.num_requests, sp.limits.query_len, sp.limits.heads, sp.limits.sel, sp.limits.max_pages,
                            max_rows, 0);
   launch_select(pub, st);
@@ -241,6 +244,9 @@ void DecodePlan::Impl::enqueue_merge(const DeviceDecodeBatch& b, const void* rec
   m.signature = reinterpret_cast<const uint32_t*>(static_cast<const char*>(recv) + ex.signature_offset);
   m.expect = base_signature(b.num_requests, sp.limits.query_len, sp.limits.heads, sp.limits.sel, sp.limits.max_pages,
                             max_rows, 0);
+#ifdef INDEXCP_AB_NO_STEP_SIGNATURE
+  m.signature = nullptr;
+#endif
   m.status = status;
   launch_merge(m, st);
 }

@@ -334,7 +334,7 @@ __device__ __forceinline__ uint32_t signature_word(const StepSignature& sig, int
 }
 
 // The step signature of a plan's exchange record: warp 0 of block 0 of a publish.
-__device__ __noinline__ void write_step_signature(const SelectLaunch& s) {
+__device__ __forceinline__ void write_step_signature(const SelectLaunch& s) {
   uint32_t h8, h9;
   step_hashes(s.rows, h8, h9);
   const int lane = threadIdx.x & 31;
@@ -343,7 +343,7 @@ __device__ __noinline__ void write_step_signature(const SelectLaunch& s) {
 
 // True (on every lane of the warp) when some rank's record carries another signature than the
 // step this rank merges (the merge's rows and the plan's fields in mg.expect).
-__device__ __noinline__ bool signatures_differ(const MergeLaunch& mg) {
+__device__ __forceinline__ bool signatures_differ(const MergeLaunch& mg) {
   uint32_t h8, h9;
   step_hashes(mg.rows, h8, h9);
   const int lane = threadIdx.x & 31;
@@ -361,7 +361,10 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) select_warp_kernel(const Se
   __shared__ WarpSmem shm[kWarpsPerCta];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t problem = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + warp;
-  if (PUBLISH && s.signature != nullptr && blockIdx.x == 0 && warp == 0) write_step_signature(s);
+  if (PUBLISH && s.signature != nullptr && blockIdx.x == gridDim.x - 1) {  // the signature's own block
+    if (warp == 0) write_step_signature(s);
+    return;
+  }
   if (problem >= s.rows.rows * s.nh) return;
   WarpSmem& sh = shm[warp];
   const SelectProblem pb(s, problem, PUBLISH);
@@ -499,7 +502,10 @@ template <bool PUBLISH>
 __global__ void __launch_bounds__(kSelThreads) select_cta_kernel(const SelectLaunch s) {
   __shared__ SelSmem sh;
   const int tid = threadIdx.x;
-  if (PUBLISH && s.signature != nullptr && blockIdx.x == 0 && tid < 32) write_step_signature(s);
+  if (PUBLISH && s.signature != nullptr && blockIdx.x == gridDim.x - 1) {  // the signature's own block
+    if (tid < 32) write_step_signature(s);
+    return;
+  }
   const SelectProblem pb(s, blockIdx.x, PUBLISH);
   const SelectionParams sel = s.sel;
   const int32_t kk = pb.kk, local = pb.local, n = pb.n, init = pb.init;
@@ -626,18 +632,21 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) merge_kernel(const MergeLau
   const int32_t init = sel.init_blocks;
   int32_t* o = mg.out + (row * mg.out_heads + mg.out_h0 + hh) * sel.topk;
   const int64_t per_rank = mg.rank_stride != 0 ? mg.rank_stride : mg.rows.rows * mg.heads * kk;
-  if (mg.signature != nullptr) {  // the plans' step signatures: every rank ran this step?
+  // The plans' step signatures (did every rank run this step?): checked after this warp's
+  // candidate loads are issued on the fast path, so that their latencies overlap.
+  auto disagree = [&]() -> bool {
+    if (mg.signature == nullptr) return false;
     const bool differ = signatures_differ(mg);
     if (mg.status != nullptr && problem == 0 && lane == 0)
       *mg.status = differ ? static_cast<uint32_t>(StepStatus::kRanksDisagree) : 0u;
-    if (differ) {
+    if (differ)
       for (int q = lane; q < sel.topk; q += 32) o[q] = -1;
-      return;
-    }
-  }
+    return differ;
+  };
   const int64_t pos = row_position(mg.rows, row);
   const int64_t n_vis = pos < 0 ? 0 : pos / kBlockTokens + 1;
   if (n_vis <= sel.topk) {
+    if (disagree()) return;
     write_all_visible(n_vis, sel.topk, o);
     return;
   }
@@ -647,8 +656,10 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) merge_kernel(const MergeLau
   if (m <= 32) {  // fast path (e.g. W = 2, K = 16): one entry per lane, three warp sorts in registers
     uint32_t k = 0u;
     int32_t id = -1;
+    Candidate c{0.0f, -1};
+    if (lane < m) c = base_c[static_cast<int64_t>(lane / kk) * per_rank + lane % kk];
+    if (disagree()) return;
     if (lane < m) {
-      const Candidate c = base_c[static_cast<int64_t>(lane / kk) * per_rank + lane % kk];
       id = c.block;
       k = (c.block >= init && c.block < local) ? score_key(c.score) + 1u : 0u;  // row's non-forced blocks only
     }
@@ -672,6 +683,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) merge_kernel(const MergeLau
     for (int q = init + got + lane; q < sel.topk; q += 32) o[q] = q == init + got ? local : -1;
     return;
   }
+  if (disagree()) return;
   uint32_t* K = sh.key;                                          // K of entry e (0: not a candidate)
   int32_t* ID = reinterpret_cast<int32_t*>(sh.key + kStaged / 2);  // block id of entry e
   for (int32_t e = lane; e < m; e += 32) {
@@ -760,7 +772,10 @@ void launch_select(const SelectLaunch& s, cudaStream_t stream) {
     cta = problems <= int64_t{4} * sms;
   }
   const bool publish = s.cands != nullptr;
-  const unsigned ctas = static_cast<unsigned>(cta ? problems : ceil_div(problems, kWarpsPerCta));
+  // a publish that signs its record gets one more block, which writes the signature alone (in
+  // parallel with the problems: no block's work grows)
+  const unsigned ctas = static_cast<unsigned>((cta ? problems : ceil_div(problems, kWarpsPerCta)) +
+                                              (publish && s.signature != nullptr ? 1 : 0));
   if (cta && publish) select_cta_kernel<true><<<ctas, kSelThreads, 0, stream>>>(s);
   else if (cta) select_cta_kernel<false><<<ctas, kSelThreads, 0, stream>>>(s);
   else if (publish) select_warp_kernel<true><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s);
