@@ -277,8 +277,9 @@ void prefill_local_score(Communicator& comm, const CacheView& shard, int32_t lay
 // host-visible: the view, layer, num_requests against the limits, null pointers, the workspace
 // size, comm; device contents are not validated (validate_decode_batch / validate_prefill_batch
 // are the synchronous checks for tools and tests): page ids outside the cache are skipped.
-// Outputs, exchange records and step status are those of the CPU plans; the selections equal
-// the other CUDA entry points' bit for bit (the same kernels).
+// Outputs, exchange records and step status are those of the CPU plans (one difference: a prefill
+// gather whose chunk exceeds extents.gather_units still makes its all-gathers here); the
+// selections equal the other CUDA entry points' bit for bit (the same kernels).
 
 class DecodePlan {
  public:

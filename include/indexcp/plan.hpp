@@ -241,9 +241,13 @@ class DecodePlan {
 };
 
 /// One rank's prefill chunk. kReplicated exchanges nothing; kLocalScore exchanges as the decode
-/// plan (records of limits.max_rows rows); kGather all-gathers FP8 rows through `comm` in chunks whose staging +
-/// gathered bytes fit the config's indexer_prefill_gather_budget_mib (gather_chunks says how
-/// many: a host value from the extents, the same on every rank).
+/// plan (records of limits.max_rows rows); kGather all-gathers FP8 rows through `comm` in chunks
+/// whose staging + gathered bytes fit the config's indexer_prefill_gather_budget_mib. The CUDA
+/// plan makes gather_chunks(extents) all-gathers (a host value, the same on every rank); this CPU
+/// reference plan gathers the chunk's exact units in chunks of the same budget (extents.gather_units
+/// below them gives status 2 and -1, as on the GPU). extents.max_rows_per_request must bound the
+/// longest request's rows: the CPU plan refuses a smaller value, the CUDA plan cannot see it (its
+/// selections would be wrong).
 class PrefillPlan {
  public:
   PrefillPlan(const ResolvedConfig& config, int32_t rank, const PrefillLimits& limits);

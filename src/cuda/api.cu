@@ -654,14 +654,25 @@ DecodeLimits limits_of(const DecodeBatch& b, const SelectionParams& sel) {
   return l;
 }
 
+// validate (the synchronous form): the step status is read back and a disagreement of the ranks
+// is an Error on every rank; otherwise the call only enqueues (a disagreement gives -1 outputs).
 void run_decode_plan(const DecodeSpec& spec, Communicator& comm, const CacheView& cache, int32_t layer,
-                     const DecodeBatch& batch, int32_t* out, cudaStream_t st) {
+                     const DecodeBatch& batch, int32_t* out, bool validate, cudaStream_t st, const char* call) {
+  check_k_rounding(spec.mode, "mode");
   if (batch.rows() == 0) return;
   const DecodePlan::Impl plan(spec);
   Tmp<uint8_t> ws(plan.ws.total, st);
-  check(cudaMemsetAsync(ws.get(), 0, plan.ws.total, st), "cudaMemsetAsync (workspace)");  // whole records are exchanged
+  // whole records are exchanged: the records' stale rows zero (initcheck)
+  check(cudaMemsetAsync(ws.get() + plan.ws.send, 0, plan.ws.total - plan.ws.send, st), "cudaMemsetAsync (records)");
+  Tmp<uint32_t> status(1, st);
   const DeviceDecodeBatch d{batch.q, batch.block_table, batch.seq_lens, batch.num_requests};
-  plan.run(cache, layer, d, ws.get(), plan.ws.total, out, &comm, nullptr, st);
+  plan.run(cache, layer, d, ws.get(), plan.ws.total, out, &comm, status.get(), st);
+  if (!validate) return;
+  uint32_t h = 0;
+  check(cudaMemcpyAsync(&h, status.get(), sizeof(h), cudaMemcpyDeviceToHost, st), "cudaMemcpyAsync (step status)");
+  comm.synchronize(st);  // bounded by the communicator's watchdog (NCCL)
+  check(cudaStreamSynchronize(st), "cudaStreamSynchronize (step status)");
+  if (h != 0) throw Error(ErrorCode::kRuntime, step_status_message(h, call));
 }
 
 }  // namespace
@@ -678,7 +689,7 @@ void icp_decode(Communicator& comm, const CacheView& shard, int32_t layer, const
   sp.mode = mode;
   sp.p256_stock = p256_stock;
   sp.limits = limits_of(batch, sel);
-  run_decode_plan(sp, comm, shard, layer, batch, out, cs(stream));
+  run_decode_plan(sp, comm, shard, layer, batch, out, validate, cs(stream), "icp_decode");
 }
 
 void decode_cp_replicated(Communicator& comm, const CacheView& cache, int32_t layer, const DecodeBatch& batch,
@@ -691,7 +702,7 @@ void decode_cp_replicated(Communicator& comm, const CacheView& cache, int32_t la
   sp.layout = cache.layout();
   sp.mode = mode;
   sp.limits = limits_of(batch, sel);
-  run_decode_plan(sp, comm, cache, layer, batch, out, cs(stream));
+  run_decode_plan(sp, comm, cache, layer, batch, out, validate, cs(stream), "decode_cp_replicated");
 }
 
 // ---- prefill under ICP ------------------------------------------------------------------------

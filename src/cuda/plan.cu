@@ -44,8 +44,24 @@ void check_limits_common(int32_t max_requests, int32_t max_pages, int32_t heads,
   INDEXCP_REQUIRE(max_pages >= 1 && max_pages <= (1 << 24),
                   "limits.max_pages = " + std::to_string(max_pages) + " is out of range 1..16777216");
   INDEXCP_REQUIRE(heads >= 1 && heads <= 64, "limits.heads = " + std::to_string(heads) + " is out of range 1..64");
-  check_heads_tp(heads, world);
-  sel.validate();
+  try {  // the limits' field named, as the CPU plans do
+    check_heads_tp(heads, world);
+  } catch (const Error& e) {
+    throw Error(e.code(), std::string("limits.") + e.what());
+  }
+  try {
+    sel.validate();
+  } catch (const Error& e) {
+    throw Error(e.code(), std::string("limits.sel.") + e.what());
+  }
+}
+
+// The scorer's limit on one launch (score.cu: max_pages * P < 2^30), at the plan's construction
+// instead of at every run (inside a capture).
+void check_table_width(int32_t max_pages, const PageLayout& l) {
+  INDEXCP_REQUIRE(static_cast<int64_t>(max_pages) * l.page_size < (int64_t{1} << 30),
+                  "limits.max_pages = " + std::to_string(max_pages) + " at P = " + std::to_string(l.page_size) +
+                      " exceeds the scorer's 2^30 tokens per request");
 }
 
 void refuse_bf16(KvDtype d) {
@@ -126,6 +142,7 @@ DecodePlan::Impl::Impl(const DecodeSpec& spec) : sp(spec) {
                   "limits.query_len = " + std::to_string(L.query_len) + " is out of range 1..16");
   refuse_bf16(sp.layout.dtype);
   check_k_rounding(sp.mode, "mode");
+  check_table_width(L.max_pages, sp.layout);
   owned_heads(L.heads, sp.world, sp.rank, &h0, &nh);
   if (sp.path == DecodePath::kReplicated) {
     score_h0 = h0;
@@ -328,7 +345,11 @@ void DecodePlan::merge(const DeviceDecodeBatch& batch, const void* recv, int32_t
   INDEXCP_REQUIRE(m.exchanges(), std::string("merge: the plan's path is ") + to_string(m.sp.path) +
                                      ", which exchanges nothing (call run)");
   require_supported_device();
-  m.check_batch(batch);
+  INDEXCP_REQUIRE(batch.num_requests >= 0 && batch.num_requests <= m.sp.limits.max_requests,
+                  "num_requests = " + std::to_string(batch.num_requests) + " is outside [0, limits.max_requests = " +
+                      std::to_string(m.sp.limits.max_requests) + "]");
+  // the merge reads only seq_lens (q and the block table may be null)
+  INDEXCP_REQUIRE(batch.num_requests == 0 || batch.seq_lens != nullptr, "seq_lens is null");
   INDEXCP_REQUIRE(recv != nullptr, "recv is null");
   INDEXCP_REQUIRE(reinterpret_cast<uintptr_t>(recv) % 8 == 0, "recv is not 8-byte aligned");
   const int64_t rows = static_cast<int64_t>(batch.num_requests) * m.sp.limits.query_len;
@@ -349,6 +370,7 @@ PrefillPlan::Impl::Impl(const PrefillSpec& sp) {
   INDEXCP_REQUIRE(limits.max_rows >= 1 && limits.max_rows <= (int64_t{1} << 31),
                   "limits.max_rows = " + std::to_string(limits.max_rows) + " is out of range 1..2^31");
   refuse_bf16(sp.layout.dtype);
+  check_table_width(limits.max_pages, sp.layout);
   m.rank = sp.rank;
   m.path = sp.path;
   m.layout = sp.layout;

@@ -161,16 +161,17 @@ class CudaTpIndexer final : public TpIndexer {
     auto res = run(rows, b.heads, sel, st, [&](int rank, Communicator& comm, int32_t* out, cuda::Stream s) {
       const size_t i = plan_of(rank);
       plans[i].run(rank_cache(rank), 0, d, ws[i].get(), ws[i].size(), out, &comm, status.get() + rank, s);
-      uint32_t h = 0;
-      if (plans[i].path() != DecodePath::kReplicated && rows > 0) {
-        const auto cst = reinterpret_cast<cudaStream_t>(s);
-        cuda::detail::check(cudaMemcpyAsync(&h, status.get() + rank, sizeof(h), cudaMemcpyDeviceToHost, cst),
-                            "cudaMemcpyAsync (step status)");
-        comm.synchronize(s);
-        cuda::detail::check(cudaStreamSynchronize(cst), "cudaStreamSynchronize (step status)");
-      }
-      if (h != 0) throw Error(ErrorCode::kRuntime, step_status_message(h, "decode"));
     });
+    // the step statuses, after every rank's stream was synchronized (not inside the timed span):
+    // ranks that disagree all see it, so every rank throws the same Error
+    if (rows > 0 && plans[0].path() != DecodePath::kReplicated) {
+      std::vector<uint32_t> h(static_cast<size_t>(W), 0);
+      cuda::detail::check(cudaMemcpy(h.data(), status.get(), h.size() * sizeof(uint32_t), cudaMemcpyDeviceToHost),
+                          "cudaMemcpy (step status)");
+      for (int r = 0; r < W; ++r)
+        if ((!group_ || r == group_->rank()) && h[static_cast<size_t>(r)] != 0)
+          throw Error(ErrorCode::kRuntime, step_status_message(h[static_cast<size_t>(r)], "decode"));
+    }
     if (st && !group_ && rows > 0) {
       st->us_per_rank = graph_us_per_rank(plans, ws, d, rows * plans[0].num_heads() * sel.topk);
       st->timing = "each rank's decode plan as CUDA graph replays on one GPU (score + publish, then merge; the "

@@ -347,6 +347,37 @@ TEST(GpuPlan, StepSignatureCatchesRanksThatDisagree) {
     for (size_t i = 0; i < static_cast<size_t>(b1.num_requests) * 2 * 16; ++i) ASSERT_EQ(h1[i], -1);
     EXPECT_NE(step_status_message(hs[0], "DecodePlan::merge").find("DecodePlan::merge"), std::string::npos);
   }
+  // the merge reads only seq_lens: a batch without q and block table merges as the full one
+  {
+    DevDecode d0(s.req, s.q, H, Q);
+    DeviceDecodeBatch b0 = dev_batch(d0), lean = b0;
+    lean.q = nullptr;
+    lean.block_table = nullptr;
+    DevArr<uint8_t> ws0(plans[0].workspace_bytes()), ws1(plans[1].workspace_bytes()), recv(rec * W);
+    ws0.fill_bytes(0);
+    ws1.fill_bytes(0);
+    plans[0].publish(s.dcache(0), 0, b0, ws0.get(), ws0.size(), recv.get(), nullptr);
+    plans[1].publish(s.dcache(1), 0, b0, ws1.get(), ws1.size(), recv.get() + rec, nullptr);
+    DevArr<int32_t> full(3 * 2 * 16), part(3 * 2 * 16);
+    plans[0].merge(b0, recv.get(), full.get(), nullptr, nullptr);
+    plans[0].merge(lean, recv.get(), part.get(), nullptr, nullptr);
+    CUDA_OK(cudaDeviceSynchronize());
+    EXPECT_EQ(full.host(), part.host());
+  }
+  // the synchronous per-rank call turns a disagreement into an Error on every rank
+  std::vector<std::string> msg(2);
+  cuda::run_device_ranks(2, [&](int r, Communicator& comm, cuda::Stream st) {
+    Requests mine = s.req;
+    if (r == 1) mine.seq_lens[0] -= 1;
+    DevDecode d(mine, s.q, H, Q);
+    DevArr<int32_t> out(3 * 2 * 16);
+    try {
+      cuda::icp_decode(comm, s.dcache(r), 0, d.b, lim.sel, c.k_rounding, out.get(), st);
+    } catch (const Error& e) {
+      msg[r] = e.what();
+    }
+  });
+  for (int r = 0; r < 2; ++r) EXPECT_NE(msg[r].find("icp_decode: the ranks of the TP group ran different steps"), std::string::npos) << msg[r];
 }
 
 // Host-side refusals name the argument, and a refused call enqueues nothing.
@@ -385,6 +416,10 @@ TEST(GpuPlan, RefusalsNameTheArgument) {
   bad.heads = 3;
   EXPECT_NE(error_of([&] { cuda::DecodePlan p(c, 0, bad); }), "(no error)");
   EXPECT_NE(error_of([&] { cuda::DecodePlan p(c, 2, lim); }).find("rank = 2"), std::string::npos);
+  EXPECT_NE(error_of([&] { cuda::DecodePlan p(c, 0, bad); }).find("limits."), std::string::npos);
+  bad = lim;
+  bad.max_pages = 1 << 23;  // 2^30 tokens at P = 128: beyond the scorer, refused at construction
+  EXPECT_NE(error_of([&] { cuda::DecodePlan p(c, 0, bad); }).find("limits.max_pages"), std::string::npos);
   cuda::DecodePlan repl(config(KvDtype::kNvfp4, 128, 2, 4, 1, Mode::kReplicated), 0, lim);
   EXPECT_NE(error_of([&] { repl.publish(s.dcache(0), 0, b, ws.get(), ws.size(), ws.get(), nullptr); }).find("exchanges nothing"),
             std::string::npos);
