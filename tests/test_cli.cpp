@@ -150,6 +150,18 @@ TEST(Cli, WrongFlagsAndValues) {
   fs::remove_all(d);
 }
 
+// A parse error's hint names the subcommand's own --help.
+TEST(Cli, ParseErrorsPointToTheSubcommandsHelp) {
+  const fs::path d = temp_dir();
+  for (const auto& [args, hint] : {std::pair<std::string, std::string>{"run --no-such-flag", "(see indexcp run --help)"},
+                                   {"capacity --no-such-flag", "(see indexcp capacity --help)"},
+                                   {"--no-such-flag", "(see indexcp --help)"}}) {
+    const Result r = run(args, d);
+    EXPECT_EQ(r.status, 2) << args;
+    EXPECT_NE(r.err.find(hint), std::string::npos) << args << ": " << r.err;
+  }
+}
+
 TEST(Cli, MissingCorruptAndMistypedFiles) {
   const fs::path d = temp_dir();
   // missing
@@ -574,6 +586,13 @@ TEST(Cli, MakeExampleCaseWritesAFreshCase) {
     EXPECT_FALSE(fs::exists(d / "case" / f)) << f;
   auto r = run("replay " + c + " --out " + q(d / "out") + " --backend cpu", d);
   EXPECT_EQ(r.status, 0) << r.err;
+  // values the library would refuse are refused by the script too, naming the option
+  for (const char* bad : {" --tp 3", " --page-size 64", " --query-len 17"}) {
+    EXPECT_NE(py(q(d / "bad_case") + " --synthetic" + bad), 0) << bad;
+    const std::string opt = std::string(bad).substr(1, std::string(bad).find(' ', 1) - 1);
+    EXPECT_NE(slurp(d / "py.err").find(opt), std::string::npos) << bad << ": " << slurp(d / "py.err");
+    EXPECT_FALSE(fs::exists(d / "bad_case" / "case.json")) << bad;
+  }
   std::ofstream(d / "case" / "notes.txt") << "mine";
   EXPECT_NE(py(c + " --synthetic"), 0);
   EXPECT_NE(slurp(d / "py.err").find("notes.txt"), std::string::npos) << slurp(d / "py.err");

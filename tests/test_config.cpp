@@ -516,6 +516,9 @@ TEST(Capacity, ModelDescFromJson) {
   expect_error([&] { ModelDesc::from_json(with("layer", "60")); }, {"layer"}, "unknown key");
   expect_error([&] { ModelDesc::from_json(with("layers", "\"60\"")); }, {"layers"}, "string");
   expect_error([&] { ModelDesc::from_json(with("kv_heads", "2.5")); }, {"kv_heads"}, "float");
+  // a large value is a non-negative integer: the message says what the limit is
+  expect_error([&] { ModelDesc::from_json(with("layers", "4000000000")); },
+               {"layers = 4000000000", "must be an integer in 0.." + std::to_string(kMaxModelField)}, "too large");
   expect_error([&] { ModelDesc::from_json(with("q_heads", "-1")); }, {"q_heads"}, "negative");
   expect_error([&] { ModelDesc::from_json(with("layers", "0")); }, {"layers", "0"}, "zero layers");
   expect_error([&] { ModelDesc::from_json(with("layers", "5000")); }, {"layers"}, "too many layers");

@@ -3,6 +3,9 @@
 // with the file named and nothing written to the output directory.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstring>
+
 #include <unistd.h>
 
 #include <cmath>
@@ -314,6 +317,50 @@ TEST(Replay, CacheNpyEqualsKeysNpy) {
       fs::remove_all(d);
     }
   }
+}
+
+// keys.npy in float16 (as `indexcp run --keys` accepts): keys exact in float16 give the selections
+// of the same keys in float32; other dtypes are refused with the message `run` gives.
+TEST(Replay, Float16KeysEqualFloat32Keys) {
+  TCase c = decode_case("nvfp4", true, 128, 2);
+  c.generate(7u);
+  for (auto& v : c.keys) v = std::round(v * 16.0f) / 16.0f;  // n / 16, |n| < 2^11: exact in float16
+  const fs::path d = temp_dir("_f16keys");
+  c.write(d / "f32");
+  c.write(d / "f16");
+  std::vector<uint16_t> h(c.keys.size());
+  for (size_t i = 0; i < h.size(); ++i) {  // float -> float16 bits, exact for these values
+    const float v = c.keys[i];
+    uint32_t u;
+    std::memcpy(&u, &v, 4);
+    const uint32_t sign = (u >> 16) & 0x8000u;
+    const int32_t e = static_cast<int32_t>((u >> 23) & 0xff) - 127;
+    if (std::isnan(v)) {  // (the case keeps non-finite keys in slots no request uses)
+      h[i] = 0x7e00u;
+      continue;
+    }
+    if (std::isinf(v)) {
+      h[i] = static_cast<uint16_t>(sign | 0x7c00u);
+      continue;
+    }
+    h[i] = (u & 0x7fffffffu) == 0 ? static_cast<uint16_t>(sign)
+                                  : static_cast<uint16_t>(sign | static_cast<uint32_t>(e + 15) << 10 | ((u >> 13) & 0x3ffu));
+    ASSERT_TRUE((u & 0x1fffu) == 0 && (v == 0.0f || (e >= -14 && e <= 15))) << v;
+  }
+  npy::save((d / "f16" / "keys.npy").string(), npy::Dtype::kFloat16, {c.num_pages * c.P, 128}, h.data());
+  const auto r32 = replay_case((d / "f32").string(), (d / "o32").string());
+  const auto r16 = replay_case((d / "f16").string(), (d / "o16").string());
+  EXPECT_EQ(r16.exit_code(), 0);
+  EXPECT_EQ(r16.topk, r32.topk);
+  std::vector<int32_t> ints(c.keys.size(), 1);
+  npy::save((d / "f16" / "keys.npy").string(), {c.num_pages * c.P, 128}, ints.data());
+  try {
+    replay_case((d / "f16").string(), (d / "o_int").string());
+    ADD_FAILURE() << "int32 keys.npy was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("dtype is int32, expected float16 or float32"), std::string::npos) << e.what();
+  }
+  fs::remove_all(d);
 }
 
 TEST(Replay, ScoresHoldTheReplicatedBlockScores) {

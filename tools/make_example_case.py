@@ -68,8 +68,9 @@ def main() -> int:
     ap.add_argument("--phase", choices=["decode", "prefill"], default="decode")
     ap.add_argument("--kv-dtype", choices=["nvfp4", "fp8", "bf16"], default="nvfp4")
     ap.add_argument("--sharding", choices=["on", "off"], default="on")
-    ap.add_argument("--tp", type=int, default=2)
-    ap.add_argument("--page-size", type=int, default=128)
+    # the values the library accepts (spec: config.md section 1): a case it would refuse is not written
+    ap.add_argument("--tp", type=int, choices=[1, 2, 4, 8], default=2)
+    ap.add_argument("--page-size", type=int, choices=[128, 256], default=128)
     ap.add_argument("--requests", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=8192, help="KV length per request, this step's tokens included")
     ap.add_argument("--query-len", type=int, default=8, help="decode rows per request")
@@ -77,6 +78,10 @@ def main() -> int:
     ap.add_argument("--synthetic", action="store_true", help="random keys/queries even if the real data exists")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
+    if not 1 <= a.query_len <= 16:
+        ap.error(f"--query-len {a.query_len} is out of range 1..16")
+    if a.requests < 1 or a.tokens < 1:
+        ap.error("--requests and --tokens must be >= 1")
     if a.kv_dtype == "bf16" and a.sharding == "on":
         ap.error("--kv-dtype bf16 is never sharded (indexcp replay refuses such a case); add --sharding off")
 

@@ -223,7 +223,15 @@ static int real_main(int argc, char** argv) {
   } catch (const CLI::Success& e) {
     return app.exit(e);  // --help, --version
   } catch (const CLI::ParseError& e) {
-    print_error(std::string(e.what()) + " (see indexcp --help)");
+    // the hint names the subcommand being parsed: "see indexcp run --help"
+    std::string where = "indexcp";
+    for (const CLI::App* sub = &app;;) {
+      const auto subs = sub->get_subcommands();
+      if (subs.empty()) break;
+      sub = subs.front();
+      where += " " + sub->get_name();
+    }
+    print_error(std::string(e.what()) + " (see " + where + " --help)");
     return 2;
   }
   if (run->parsed()) {

@@ -45,7 +45,7 @@ ModelDesc ModelDesc::from_json(const std::string& text) {
       throw Error(ErrorCode::kInvalidArgument,
                   "model description: unknown key \"" + (k.size() > 64 ? k.substr(0, 64) + "..." : k) + "\"");
     if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() > kMaxModelField)
-      throw Error(ErrorCode::kInvalidArgument, "model description: " + k + " = " + detail::short_dump(v) + " must be a non-negative integer");
+      throw Error(ErrorCode::kInvalidArgument, "model description: " + k + " = " + detail::short_dump(v) + " must be an integer in 0.." + std::to_string(kMaxModelField));
     *dst = static_cast<int32_t>(v.get<int64_t>());
   }
   m.validate();

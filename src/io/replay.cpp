@@ -233,7 +233,19 @@ void load_arrays(Case& c) {
   c.from_cache = has_cache;
   if (!has_cache) {
     const std::string f = c.file("keys.npy");
-    c.keys_arr = npy::load_checked(f, npy::Dtype::kFloat32, 2);
+    // float16 or float32, as `indexcp run --keys` accepts (float16 widened to float32 exactly)
+    c.keys_arr = npy::load(f);
+    if (c.keys_arr.dtype != npy::Dtype::kFloat16 && c.keys_arr.dtype != npy::Dtype::kFloat32)
+      invalid(f, "dtype is " + npy::dtype_name(c.keys_arr.dtype) + ", expected float16 or float32");
+    if (c.keys_arr.ndim() != 2)
+      invalid(f, "shape " + npy::shape_string(c.keys_arr.shape) + " has " + std::to_string(c.keys_arr.ndim()) +
+                     " dimensions, expected 2");
+    if (c.keys_arr.dtype == npy::Dtype::kFloat16) {
+      const std::vector<float> wide = npy::to_float32(c.keys_arr, f);
+      c.keys_arr.dtype = npy::Dtype::kFloat32;
+      c.keys_arr.bytes.resize(wide.size() * sizeof(float));
+      std::memcpy(c.keys_arr.bytes.data(), wide.data(), c.keys_arr.bytes.size());
+    }
     const npy::Array& k = c.keys_arr;
     if (k.shape[1] != kHeadDim || k.shape[0] == 0 || k.shape[0] % P != 0)
       invalid(f, "shape " + npy::shape_string(k.shape) + " must be [num_slots, 128] with num_slots a positive multiple of page_size = " +
