@@ -15,19 +15,12 @@
 #include "indexcp/cache_view.hpp"
 #include "indexcp/cuda.hpp"
 #include "indexcp/indexer.hpp"
+#include "util.hpp"
 
 namespace {
 
 using namespace indexcp;
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+using testutil::error_of;
 
 std::vector<float> random_keys(int64_t n, uint32_t seed) {
   std::mt19937 rng(seed);

@@ -20,15 +20,6 @@ namespace {
 using namespace indexcp;
 using namespace testutil;
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
-
 #define EXPECT_ERROR_NAMES(stmt, ...)                                      \
   do {                                                                     \
     const std::string msg_ = error_of([&] { stmt; });                      \

@@ -7,16 +7,29 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "indexcp/cache.hpp"
 #include "indexcp/comm.hpp"
+#include "indexcp/error.hpp"
 #include "indexcp/icp.hpp"
 #include "indexcp/indexer.hpp"
 
 namespace testutil {
+
+/// The message of the indexcp::Error that fn throws, or "(no error)".
+inline std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const indexcp::Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
 
 using namespace indexcp;
 

@@ -41,15 +41,6 @@ std::vector<int64_t> rand_slots(int64_t n, int64_t num_slots, uint32_t seed) {
   return s;
 }
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
-
 // One pool of device memory and its host twin of the same geometry: the view at the same offset
 // and strides in both; the CPU writes the host twin, the GPU the pool, and the bytes must agree.
 struct Twin {

@@ -20,15 +20,6 @@ using namespace gpu;
 
 cuda::Stream S(cudaStream_t s) { return reinterpret_cast<cuda::Stream>(s); }
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
-
 enum class Mode { kReplicated, kSharded, kDecodeCp };
 const char* name_of(Mode m) { return m == Mode::kReplicated ? "replicated" : m == Mode::kSharded ? "sharded" : "decode_cp"; }
 
