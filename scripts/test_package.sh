@@ -120,6 +120,22 @@ case "$mode" in
     fi
     say "installed files: ok ($pkg_dir)"
 
+    # the installed command runs the main job on the installed data, found from its own path
+    # (src/cli/data_search.hpp), with the prefix moved away from where it was installed
+    if [ -x "$prefix/bin/indexcp" ]; then
+      data_dir="$prefix/share/indexcp/data/minilm_stdlib"
+      for f in keys.npy queries.npy meta.json; do
+        cmp -s "$source_dir/data/minilm_stdlib/$f" "$data_dir/$f" || fail "share/indexcp/data/minilm_stdlib/$f not installed (or differs)"
+      done
+      step "the installed indexcp run on the installed data" "$work/run.log" \
+        "$prefix/bin/indexcp" run --backend cpu --requests 1 --tokens 2048 --steps 1 --kv-dtype fp8 --page-size 128 \
+        --tp 2 --sharding on
+      grep -q -F "loaded $data_dir/keys.npy" "$work/run.log" ||
+        fail "the installed indexcp did not load the installed data ($data_dir)" "$work/run.log"
+    else
+      say "no bin/indexcp installed (INDEXCP_BUILD_CLI=OFF): the command's install not checked"
+    fi
+
     step "version rule (tests/package/version_check, version $version)" "$work/version_check.log" \
       "$cmake_bin" -S "$source_dir/tests/package/version_check" -B "$work/version_check" "${configure_args[@]}" \
       -DCMAKE_PREFIX_PATH="$prefix" -DINDEXCP_EXPECT_VERSION="$version"

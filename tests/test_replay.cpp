@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <numeric>
 #include <random>
 #include <string>
@@ -287,6 +288,46 @@ INSTANTIATE_TEST_SUITE_P(
       return i.param.phase + "_" + i.param.dtype + "_" + (i.param.sharding ? "on" : "off") + "_P" +
              std::to_string(i.param.P) + "_W" + std::to_string(i.param.W) + (i.param.extra.empty() ? "" : "_" + i.param.extra);
     });
+
+// The case.json that docs/cli.md shows ("The case format") is replayed exactly as written: the
+// documentation cannot drift into a file the replay refuses (as a // comment once did).
+TEST(Replay, TheDocumentedCaseLoads) {
+  const fs::path doc = fs::path(INDEXCP_SOURCE_DIR) / "docs" / "cli.md";
+  std::ifstream in(doc);
+  ASSERT_TRUE(in) << doc;
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string marker = "Replay.TheDocumentedCaseLoads) reads this block -->";
+  const size_t m = text.find(marker);
+  ASSERT_NE(m, std::string::npos) << doc << " lost the marker of its case.json example";
+  const size_t open = text.find("```json\n", m);
+  ASSERT_NE(open, std::string::npos);
+  const size_t body = open + 8, close = text.find("```", body);
+  ASSERT_NE(close, std::string::npos);
+  const std::string case_json = text.substr(body, close - body);
+  const json j = json::parse(case_json);  // strict JSON: no comments
+  TCase c;
+  c.phase = j.at("phase").get<std::string>();
+  ASSERT_EQ(c.phase, "decode") << "the test builds decode arrays";
+  c.attention = j.value("attention_config", json::object());
+  c.tp = j.at("tp").get<int32_t>();
+  c.P = j.at("page_size").get<int32_t>();
+  c.H = j.value("heads", 4);
+  c.topk = j.value("topk", 16);
+  c.init = j.value("init_blocks", 0);
+  c.Q = j.at("query_len").get<int32_t>();
+  c.lens = {3 * c.P + 17, 40 * 128 + 5};
+  c.generate(11u);
+  const fs::path d = temp_dir(), cd = d / "case", out = d / "out";
+  c.write(cd);
+  std::ofstream(cd / "case.json", std::ios::trunc) << case_json;  // the documented text itself
+  const ReplayResult r = replay_case(cd.string(), out.string());
+  EXPECT_EQ(r.exit_code(), 0) << r.summary();
+  EXPECT_EQ(read_topk(out, c), c.library_topk());
+  const json rep = read_report(out);
+  EXPECT_EQ(rep["config"]["tp"], c.tp);
+  EXPECT_EQ(rep["config"]["page_size"], c.P);
+  fs::remove_all(d);
+}
 
 TEST(Replay, CacheNpyEqualsKeysNpy) {
   for (const auto& [phase, dt, P, W] : {std::tuple{"decode", "nvfp4", 128, 4}, std::tuple{"decode", "fp8", 256, 2},

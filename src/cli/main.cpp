@@ -24,9 +24,6 @@
 #ifndef INDEXCP_VERSION
 #define INDEXCP_VERSION "0"
 #endif
-#ifndef INDEXCP_DEFAULT_DATA_DIR
-#define INDEXCP_DEFAULT_DATA_DIR "data/minilm_stdlib"
-#endif
 
 namespace {
 
@@ -99,8 +96,9 @@ static int real_main(int argc, char** argv) {
       ->check(CLI::IsMember({"cpu", "cuda", "auto"}))
       ->capture_default_str();
   run->add_option("--data", ro.data_dir,
-                  std::string("data directory with keys.npy, queries.npy and meta.json (default: ") +
-                      INDEXCP_DEFAULT_DATA_DIR + ")")
+                  "data directory with keys.npy, queries.npy and meta.json (default: the embedded data, found "
+                  "beside the installed binary (../share/indexcp/data/minilm_stdlib), in a data/minilm_stdlib above "
+                  "it, or in the checkout it was built from)")
       ->check(non_empty_path());
   run->add_option("--keys", ro.keys_file, "index keys: float16/float32 .npy [requests, tokens, 128]")
       ->check(non_empty_path());

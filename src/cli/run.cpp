@@ -26,6 +26,7 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.hpp"
+#include "data_search.hpp"
 #include "core/file_util.hpp"
 #include "core/json_util.hpp"
 #include "indexcp/cache.hpp"
@@ -75,20 +76,6 @@ struct Data {
     return queries.data() + ((static_cast<int64_t>(r) * Qn + (pos - (T - Qn))) * H) * kHeadDim;
   }
 };
-
-std::string default_data_dir() {
-  std::error_code ec;
-  if (fs::is_directory(INDEXCP_DEFAULT_DATA_DIR, ec)) return INDEXCP_DEFAULT_DATA_DIR;
-  // next to the executable: <repo>/build/bin/indexcp -> <repo>/data/minilm_stdlib
-  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
-  if (!ec) {
-    for (fs::path p = exe.parent_path(); !p.empty() && p != p.root_path(); p = p.parent_path()) {
-      const fs::path cand = p / "data" / "minilm_stdlib";
-      if (fs::is_directory(cand, ec)) return cand.string();
-    }
-  }
-  return INDEXCP_DEFAULT_DATA_DIR;
-}
 
 Data load_files(const std::string& keys_path, const std::string& queries_path) {
   Data d;
@@ -472,15 +459,10 @@ int run_command(const RunOptions& opts) {
   } else {
     std::string kp = o.keys_file, qp = o.queries_file;
     if (kp.empty()) {
-      const std::string dir = o.data_dir.empty() ? default_data_dir() : o.data_dir;
+      const std::string dir =
+          o.data_dir.empty() ? find_default_data(self_executable(), INDEXCP_INSTALLED_DATA_DIR, INDEXCP_DEFAULT_DATA_DIR).string() : o.data_dir;
       std::error_code ec;
-      if (!fs::is_directory(dir, ec)) {
-        if (o.data_dir.empty())
-          throw Error(ErrorCode::kIo, "the default real data is missing (" + dir +
-                                          "): run tools/make_real_data.py to produce it, pass --data DIR or --keys/--queries, "
-                                          "or use --synthetic");
-        throw Error(ErrorCode::kIo, dir + ": no such data directory (--data)");
-      }
+      if (!fs::is_directory(dir, ec)) throw Error(ErrorCode::kIo, dir + ": no such data directory (--data)");
       kp = (fs::path(dir) / "keys.npy").string();
       qp = (fs::path(dir) / "queries.npy").string();
       data = load_files(kp, qp);
