@@ -180,13 +180,14 @@ void run_soak(const soak::Options& o) {
   const soak::Result r = soak::run(o, be);
   if (::testing::Test::HasFailure()) return;
   EXPECT_EQ(r.steps, o.steps);
-  // the soak did what it is for: requests came and went, pages were reused, shapes varied
-  EXPECT_GT(r.requests_finished, 10);
-  EXPECT_GT(r.pages_reused, o.num_pages);
-  EXPECT_GE(r.max_live_requests, o.max_requests - 1);
-  EXPECT_GT(r.decode_rows_checked, 100);
-  EXPECT_GT(r.prefill_rows_checked, 100);
-  EXPECT_GT(r.refused_inserts, 0);
+  if (o.steps >= 200) {  // the soak did what it is for: requests came and went, pages were reused
+    EXPECT_GT(r.requests_finished, 10);
+    EXPECT_GT(r.pages_reused, o.num_pages);
+    EXPECT_GE(r.max_live_requests, o.max_requests - 1);
+    EXPECT_GT(r.decode_rows_checked, 100);
+    EXPECT_GT(r.prefill_rows_checked, 100);
+    EXPECT_GT(r.refused_inserts, 0);
+  }
   // every library call returned all it allocated (the counter also sees the driver's own data,
   // which grows and shrinks with the live requests, so it is compared call by call)
   EXPECT_EQ(r.memory_retained_max, 0);

@@ -232,11 +232,13 @@ void run_soak(soak::Options o) {
   const soak::Result r = soak::run(o, be);
   if (::testing::Test::HasFailure()) return;
   EXPECT_EQ(r.steps, o.steps);
-  EXPECT_GT(r.requests_finished, 10);
-  EXPECT_GT(r.pages_reused, o.num_pages);
-  EXPECT_GT(r.decode_rows_checked, 100);
-  EXPECT_GT(r.prefill_rows_checked, 100);
-  EXPECT_GT(r.refused_inserts, 0);
+  if (o.steps >= 200) {  // a sized run (a short one under compute-sanitizer checks less)
+    EXPECT_GT(r.requests_finished, 10);
+    EXPECT_GT(r.pages_reused, o.num_pages);
+    EXPECT_GT(r.decode_rows_checked, 100);
+    EXPECT_GT(r.prefill_rows_checked, 100);
+    EXPECT_GT(r.refused_inserts, 0);
+  }
   // device memory in use (the driver's data is host memory): flat from the end of the warm-up on
   EXPECT_EQ(r.memory_max, r.memory_first) << "device memory in use grew during the soak";
   EXPECT_EQ(r.memory_retained_max, 0);
