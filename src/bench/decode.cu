@@ -16,6 +16,7 @@
 #include "indexcp/nccl.hpp"
 #include "indexcp/npy.hpp"
 #include "indexcp/rendezvous.hpp"
+#include "core/knobs.hpp"
 
 namespace indexcp::bench {
 namespace {
@@ -394,7 +395,7 @@ bool decode_processes(const DecodeOptions& o, const RankEnv& env) {
       }
   }
   // this rank's own results for the launcher's merged report ($INDEXCP_REPORT_DIR/rank<r>.json)
-  if (const char* dir = std::getenv("INDEXCP_REPORT_DIR"); dir && *dir) {
+  if (const char* dir = ::indexcp::detail::knob_env("INDEXCP_REPORT_DIR"); dir && *dir) {
     std::ofstream f(std::string(dir) + "/rank" + std::to_string(r) + ".json");
     f << indexcp::detail::dump_text(json{{"rank", r}, {"device", dev.name()}, {"cuda_device", env.device}, {"results", results}})
       << "\n";

@@ -19,6 +19,7 @@
 #include "indexcp/cuda.hpp"
 #include "indexcp/error.hpp"
 #include "indexcp/formats.hpp"
+#include "core/knobs.hpp"
 
 namespace indexcp::bench {
 
@@ -233,7 +234,7 @@ json record_header(const std::string& benchmark, const RunOptions& o, const Devi
   const std::time_t now = std::time(nullptr);
   std::strftime(date, sizeof(date), "%Y-%m-%d", std::gmtime(&now));
   std::string rev = o.git_rev;
-  if (rev.empty() && std::getenv("INDEXCP_GIT_REV")) rev = std::getenv("INDEXCP_GIT_REV");
+  if (rev.empty() && ::indexcp::detail::knob_env("INDEXCP_GIT_REV")) rev = ::indexcp::detail::knob_env("INDEXCP_GIT_REV");
   if (rev.empty()) rev = "unknown";
   json j = {{"benchmark", benchmark},
             {"device", d.name()},
@@ -357,7 +358,7 @@ std::vector<int32_t> shuffled_block_table(int64_t num_pages, uint32_t seed) {
   std::vector<int32_t> pool(static_cast<size_t>(num_pages));
   std::iota(pool.begin(), pool.end(), 0);
   std::mt19937 rng(seed);
-  if (!std::getenv("BENCH_NO_SHUFFLE")) std::shuffle(pool.begin(), pool.end(), rng);
+  if (!::indexcp::detail::knob_env("BENCH_NO_SHUFFLE")) std::shuffle(pool.begin(), pool.end(), rng);
   return pool;
 }
 

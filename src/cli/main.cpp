@@ -1,4 +1,4 @@
-// The indexcp command: run (the main job), replay, capacity, config, bench, launch.
+// The indexcp command: run (the main job), replay, capacity, config, knobs, bench, launch.
 //
 // Exit status: 0 success; 1 runtime failure; 2 usage or input error (bad flag, missing or corrupt
 // file, wrong dtype/shape, out-of-range value, refused configuration); 3 a sharded/CP selection
@@ -17,6 +17,7 @@
 #include "commands.hpp"
 #include "launch.hpp"
 #include "validators.hpp"
+#include "core/knobs.hpp"
 #include "indexcp/error.hpp"
 #include "indexcp/replay.hpp"
 #include "indexcp/tp_group.hpp"
@@ -209,6 +210,12 @@ static int real_main(int argc, char** argv) {
   con->add_option("--speculative-method", cfg.speculative_method, "speculative decoding method (informational)");
   con->add_flag("--kv-connector", cfg.kv_connector, "a KV connector / CPU offload is configured");
 
+  // ---- knobs: the knob table (src/core/knobs.cpp; docs/knobs.md)
+  bool knobs_markdown = false;
+  auto* kno = app.add_subcommand("knobs", "List every INDEXCP_* environment variable and -D build switch, with its "
+                                          "default and what it does");
+  kno->add_flag("--markdown", knobs_markdown, "print the table as markdown (docs/knobs.md)");
+
   // ---- bench (bench.cpp)
   BenchCommand bench_cmd(app);
 
@@ -243,9 +250,14 @@ static int real_main(int argc, char** argv) {
     return capacity_command(co);
   }
   if (con->parsed()) return config_command(cfg);
+  if (kno->parsed()) {
+    const std::string t = knobs_markdown ? indexcp::detail::knob_markdown() : indexcp::detail::knob_text();
+    std::fwrite(t.data(), 1, t.size(), stdout);
+    return 0;
+  }
   if (lau->parsed()) return launch_command(lo);
   if (bench_cmd.parsed()) return bench_cmd.run(argc, argv);
-  print_error("a subcommand is required (run, replay, capacity, config, bench, launch)");
+  print_error("a subcommand is required (run, replay, capacity, config, knobs, bench, launch)");
   return 2;
 }
 

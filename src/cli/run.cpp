@@ -40,6 +40,7 @@
 #include "indexcp/replay.hpp"
 #include "indexcp/tp_group.hpp"
 #include "reference.hpp"
+#include "core/knobs.hpp"
 
 #ifndef INDEXCP_DEFAULT_DATA_DIR
 #define INDEXCP_DEFAULT_DATA_DIR "data/minilm_stdlib"
@@ -760,7 +761,7 @@ int run_command(const RunOptions& opts) {
          "prefill and decode step; sharding off: equal to the first sharding-off run of the same kv_dtype"}}},
       {"wall_s", now_s() - t_start}};
   {  // the commit that ran, as the bench records carry it (INDEXCP_GIT_REV, set by the device scripts)
-    const char* rev = std::getenv("INDEXCP_GIT_REV");
+    const char* rev = detail::knob_env("INDEXCP_GIT_REV");
     report["git_rev"] = (rev && *rev) ? rev : "unknown";
   }
   report["processes"] = as_rank ? env->world : 1;  // spec/bench.md's fields: ranks as processes, GPUs used
@@ -828,7 +829,7 @@ int run_command(const RunOptions& opts) {
 
   if (as_rank) {
     // this rank's outcome for the launcher's merged report ($INDEXCP_REPORT_DIR/rank<r>.json)
-    if (const char* dir = std::getenv("INDEXCP_REPORT_DIR"); dir && *dir) {
+    if (const char* dir = detail::knob_env("INDEXCP_REPORT_DIR"); dir && *dir) {
       json rr = {{"rank", env->rank}, {"cuda_device", env->device}, {"all_selections_equal_replicated", all_equal},
                  {"configs", json::array()}};
       for (const auto& c : configs)

@@ -8,6 +8,7 @@
 #include "indexcp/error.hpp"
 #include "indexcp/layout.hpp"
 #include "json_util.hpp"
+#include "core/knobs.hpp"
 
 namespace indexcp {
 
@@ -166,7 +167,7 @@ ResolvedConfig resolve_config(const AttentionConfig& c, const EngineParams& e) {
     r.notes.push_back("indexer_prefill_cp applies only with sharding; prefill uses the replicated cache");
 
   r.p256_stock_decode = true;  // the default of INDEXCP_P256_STOCK_DECODE
-  if (const char* env = std::getenv("INDEXCP_P256_STOCK_DECODE")) {
+  if (const char* env = detail::knob_env_raw("INDEXCP_P256_STOCK_DECODE")) {
     const std::string v(env);
     if (v == "1") r.p256_stock_decode = true;
     else if (v == "0") r.p256_stock_decode = false;

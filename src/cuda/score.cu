@@ -36,6 +36,7 @@
 
 #include "common.cuh"
 #include "kernels.cuh"
+#include "core/knobs.hpp"
 
 namespace indexcp::cuda::detail {
 
@@ -1031,7 +1032,7 @@ void launch_t(const ScoreArgs& a, dim3 grid, cudaStream_t stream) {
   // slice, whose CTAs would each get a few items or none and spend the launch on their prologue
   const int64_t resident = static_cast<int64_t>(std::max(1, per_sm)) * sm_count();
   g.x = static_cast<unsigned>(std::clamp<int64_t>(ceil_div(2 * resident, static_cast<int64_t>(grid.y)), 1, resident));
-  if (const char* e = std::getenv("INDEXCP_SCORE_CTAS")) g.x = static_cast<unsigned>(std::max(1, std::atoi(e)));
+  if (const char* e = ::indexcp::detail::knob_env("INDEXCP_SCORE_CTAS")) g.x = static_cast<unsigned>(std::max(1, std::atoi(e)));
   k<<<g, kThreads, smem, stream>>>(a);
   INDEXCP_CUDA_LAUNCH_CHECK("score kernel launch");
 }
@@ -1147,7 +1148,7 @@ void launch_score(const ScoreLaunch& s, cudaStream_t stream) {
   a.max_blocks = s.max_blocks;
   a.debug = 0;
   a.wg_desc_bits = wg_desc_fixed_bits();
-  if (const char* e = std::getenv("INDEXCP_SCORE_DEBUG")) a.debug = std::atoi(e);
+  if (const char* e = ::indexcp::detail::knob_env("INDEXCP_SCORE_DEBUG")) a.debug = std::atoi(e);
   const PageLayout& L = s.keys.layout;
   const int32_t R = L.rows();
   INDEXCP_REQUIRE(static_cast<int64_t>(s.max_pages) * L.page_size < (int64_t{1} << 30),
@@ -1157,7 +1158,7 @@ void launch_score(const ScoreLaunch& s, cudaStream_t stream) {
   // half-stage holds at most 4 chunks (the kernel's meta slots)
   INDEXCP_REQUIRE(R >= 16 && R % 16 == 0, "rows per rank must be a multiple of 16");
   // INDEXCP_SCORE_PLAN=kernel forces the separate plan kernel (tests compare both paths)
-  const char* pe = std::getenv("INDEXCP_SCORE_PLAN");
+  const char* pe = ::indexcp::detail::knob_env("INDEXCP_SCORE_PLAN");
   a.plan_local = s.rows.num_requests <= kPlanLocal && !(pe && std::strcmp(pe, "kernel") == 0);
   int32_t* plan = s.plan;
   int32_t* owned = nullptr;

@@ -27,6 +27,7 @@
 
 #include "common.cuh"
 #include "kernels.cuh"
+#include "core/knobs.hpp"
 
 namespace indexcp::cuda::detail {
 
@@ -760,7 +761,7 @@ void launch_select(const SelectLaunch& s, cudaStream_t stream) {
   }
   INDEXCP_REQUIRE(problems < (int64_t{1} << 31), "select launch too large");
   bool cta;
-  const char* e = std::getenv("INDEXCP_SELECT");
+  const char* e = ::indexcp::detail::knob_env("INDEXCP_SELECT");
   if (e && std::strcmp(e, "warp") == 0) {
     cta = false;
   } else if (e && std::strcmp(e, "cta") == 0) {

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "indexcp/error.hpp"
+#include "core/knobs.hpp"
 
 namespace indexcp {
 
@@ -33,6 +34,8 @@ constexpr const char* kMagic = "indexcp-rendezvous";
 constexpr int kVersion = 1;
 
 const char* env_or_null(const char* name) {
+  // INDEXCP_* variables are knobs of the table (src/core/knobs.cpp); TMPDIR, LOCAL_RANK are not ours
+  if (std::strncmp(name, "INDEXCP_", 8) == 0) return detail::knob_env(name);
   const char* v = std::getenv(name);
   return (v && *v) ? v : nullptr;
 }

@@ -1,0 +1,136 @@
+#include "core/knobs.hpp"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+#include "indexcp/error.hpp"
+
+namespace indexcp::detail {
+
+const char* to_string(KnobKind k) {
+  switch (k) {
+    case KnobKind::kEnv: return "environment";
+    case KnobKind::kCmake: return "cmake -D";
+    case KnobKind::kMacro: return "CUDA -D";
+  }
+  return "?";
+}
+
+const std::vector<Knob>& knob_table() {
+  using K = KnobKind;
+  static const std::vector<Knob> t = {
+      // ---- the library (product behaviour)
+      {"INDEXCP_P256_STOCK_DECODE", K::kEnv, "1", "library",
+       "0 or 1. With sharding at P256 / TP2 a rank's shard page is a whole 128-row page: 1 scores it with the "
+       "whole-page (stock) decode scorer, 0 with the general one. Read by resolve_config (ResolvedConfig."
+       "p256_stock_decode); any other value is refused."},
+      // ---- the library's experiment and test switches (CUDA backend)
+      {"INDEXCP_SELECT", K::kEnv, "", "library (CUDA)",
+       "warp or cta forces the selection / publish kernel (the GPU tests run both); unset: the CTA kernel up to "
+       "4 problems per multiprocessor, the warp kernel above."},
+      {"INDEXCP_SCORE_PLAN", K::kEnv, "", "library (CUDA)",
+       "kernel forces the scorer's separate work-plan kernel (the tests compare it with the in-CTA plan); unset: "
+       "the plan is computed by each CTA up to 2,048 requests."},
+      {"INDEXCP_SCORE_CTAS", K::kEnv, "", "library (CUDA)",
+       "CTAs along x of the scorer's grid (an experiment knob, bench/NOTES.md); unset: two to four waves over "
+       "the query slices."},
+      {"INDEXCP_SCORE_DEBUG", K::kEnv, "0", "library (CUDA)", "debug bits of the scorer kernel (development only)."},
+      // ---- a rank of a multi-process group (set by indexcp launch; docs/multi-process.md)
+      {"INDEXCP_WORLD", K::kEnv, "", "launcher -> rank",
+       "ranks of the group, 1..64; unset: the process is not a rank of a launched group."},
+      {"INDEXCP_RANK", K::kEnv, "", "launcher -> rank", "this process's rank, 0..INDEXCP_WORLD-1 (required with INDEXCP_WORLD)."},
+      {"INDEXCP_DEVICE", K::kEnv, "", "launcher -> rank",
+       "the CUDA device of this rank, 0..1023; unset: LOCAL_RANK, else the rank."},
+      {"INDEXCP_RENDEZVOUS", K::kEnv, "", "launcher -> rank",
+       "the rendezvous directory where rank 0 publishes the NCCL id (required when INDEXCP_WORLD > 1)."},
+      {"INDEXCP_RUN_ID", K::kEnv, "", "launcher -> rank",
+       "the run's id, at most 64 characters of [A-Za-z0-9._-]: ranks of another run are not joined."},
+      {"INDEXCP_NCCL_TIMEOUT_S", K::kEnv, "60", "launcher -> rank",
+       "seconds every blocking wait of the group may take, (0, 604800]; `indexcp launch --timeout` sets it."},
+      {"INDEXCP_REPORT_DIR", K::kEnv, "", "launcher -> rank",
+       "where a rank writes its report (rank<r>.json) for the launcher to merge; set by indexcp launch."},
+      // ---- the command and the benchmarks
+      {"INDEXCP_GIT_REV", K::kEnv, "", "command, benchmarks, tests",
+       "the commit stored in the JSON records of indexcp run and indexcp bench (and compared by the CLI test); "
+       "unset: the records say \"unknown\" unless --git-rev is given."},
+      {"BENCH_NO_SHUFFLE", K::kEnv, "", "benchmarks",
+       "set: the benchmarks' page pool is laid out in order instead of shuffled (an experiment knob)."},
+      // ---- tests and scripts
+      {"INDEXCP_SHARED_DIR", K::kEnv, "the build's INDEXCP_SHARED_DIR", "tests, scripts",
+       "the folder holding vectors/nvfp4_blocks.json that the tests read; scripts/common.sh passes it to CMake."},
+      {"INDEXCP_CUDA", K::kEnv, "AUTO", "scripts",
+       "ON, OFF or AUTO: scripts/common.sh passes it to CMake as -DINDEXCP_CUDA."},
+      {"INDEXCP_PACKAGE_JOBS", K::kEnv, "2", "tests", "parallel build jobs of the CMake package tests (scripts/test_package.sh)."},
+      {"INDEXCP_WRITE_BAD_INPUTS", K::kEnv, "", "tests",
+       "set: test_bad_inputs rewrites docs/bad-inputs.md from the real runs instead of comparing with it."},
+      {"INDEXCP_SOAK_STEPS", K::kEnv, "", "tests",
+       "steps of every soak (test_soak, test_gpu_soak); unset: each soak's own (200-400). docs/testing.md."},
+      // ---- CMake
+      {"INDEXCP_CUDA", K::kCmake, "AUTO", "build", "build the CUDA backend: ON, OFF or AUTO (on when nvcc is found)."},
+      {"INDEXCP_NCCL", K::kCmake, "AUTO", "build",
+       "build the NCCL communicator: ON, OFF or AUTO (on with the CUDA backend when NCCL is found)."},
+      {"INDEXCP_BUILD_TESTS", K::kCmake, "ON at top level", "build", "build the GoogleTest suite."},
+      {"INDEXCP_BUILD_CLI", K::kCmake, "ON at top level", "build", "build the indexcp command."},
+      {"INDEXCP_BUILD_BENCH", K::kCmake, "ON at top level", "build", "build the benchmarks (Google Benchmark)."},
+      {"INDEXCP_INSTALL", K::kCmake, "ON at top level", "build",
+       "generate the install rules (headers, library, CMake package, the command and its data)."},
+      {"INDEXCP_INSTALL_CMAKEDIR", K::kCmake, "lib/cmake/indexcp", "build", "where the CMake package is installed."},
+      {"INDEXCP_SANITIZE", K::kCmake, "", "build", "sanitizers of a CPU build, e.g. address,undefined (scripts/sanitize.sh)."},
+      {"INDEXCP_FUZZ", K::kCmake, "OFF", "build", "build the libFuzzer targets of fuzz/ (clang only)."},
+      {"INDEXCP_SHARED_DIR", K::kCmake, "tests/data", "build", "the folder of vectors/nvfp4_blocks.json compiled into the tests."},
+      {"INDEXCP_CONTRACT_DIR", K::kCmake, "../shared", "build",
+       "the project's shared/ folder, compared with the repository's copy of the vectors when present."},
+      {"INDEXCP_EXPECT_VERSION", K::kCmake, "", "tests (package)",
+       "the version tests/package/version_check expects of the installed package (scripts/test_package.sh sets it)."},
+      {"INDEXCP_SOURCE_DIR", K::kCmake, "", "tests (package)",
+       "the checkout tests/package/subproject adds with add_subdirectory (scripts/test_package.sh sets it)."},
+      // ---- CUDA preprocessor switches (experiments; bench/NOTES.md)
+      {"INDEXCP_SCORE_WARPS", K::kMacro, "8", "build", "warps per CTA of the NVFP4 scorer (a multiple of 4)."},
+      {"INDEXCP_SCORE_MINB", K::kMacro, "2", "build", "minimum CTAs per multiprocessor of the NVFP4 scorer (__launch_bounds__)."},
+      {"INDEXCP_SCORE_WGMMA", K::kMacro, "1", "build", "0 builds the scorer without wgmma (mma.sync only)."},
+      {"INDEXCP_SCORE_WGMMA_MIN_NT", K::kMacro, "2", "build", "the smallest tile width NT (8-vector groups) that uses wgmma."},
+      {"INDEXCP_SCORE_WGMMA_NT1", K::kMacro, "0", "build", "1 lets NT = 1 tiles use wgmma too."},
+      {"INDEXCP_AB_NO_STEP_SIGNATURE", K::kMacro, "undefined", "build",
+       "defined: the decode plans exchange no step signature (an A/B build of bench/NOTES.md only; ranks that "
+       "disagree are then not detected)."},
+  };
+  return t;
+}
+
+const char* knob_env(const char* name) {
+  const char* v = knob_env_raw(name);
+  return (v && *v) ? v : nullptr;
+}
+
+const char* knob_env_raw(const char* name) {
+  const auto& t = knob_table();
+  const bool known = std::any_of(t.begin(), t.end(), [&](const Knob& k) {
+    return k.kind == KnobKind::kEnv && std::strcmp(k.name, name) == 0;
+  });
+  if (!known)
+    throw Error(ErrorCode::kRuntime, std::string("environment variable ") + name +
+                                         " is read but not declared in the knob table (src/core/knobs.cpp)");
+  return std::getenv(name);
+}
+
+std::string knob_markdown() {
+  std::string s = "| name | set by | default | read by | what it does |\n|---|---|---|---|---|\n";
+  for (const Knob& k : knob_table()) {
+    s += std::string("| `") + k.name + "` | " + to_string(k.kind) + " | " +
+         (*k.default_value ? std::string("`") + k.default_value + "`" : std::string("unset")) + " | " + k.read_by +
+         " | " + k.doc + " |\n";
+  }
+  return s;
+}
+
+std::string knob_text() {
+  std::string s;
+  for (const Knob& k : knob_table()) {
+    s += std::string(k.name) + "  (" + to_string(k.kind) + "; default " +
+         (*k.default_value ? k.default_value : "unset") + "; read by " + k.read_by + ")\n    " + k.doc + "\n";
+  }
+  return s;
+}
+
+}  // namespace indexcp::detail
