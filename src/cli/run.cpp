@@ -41,6 +41,7 @@
 #include "indexcp/tp_group.hpp"
 #include "reference.hpp"
 #include "core/knobs.hpp"
+#include "core/clock.hpp"
 
 #ifndef INDEXCP_DEFAULT_DATA_DIR
 #define INDEXCP_DEFAULT_DATA_DIR "data/minilm_stdlib"
@@ -56,9 +57,7 @@ using json = nlohmann::json;
 
 namespace {
 
-double now_s() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
+using detail::now_s;
 
 [[noreturn]] void bad(const std::string& msg) { throw Error(ErrorCode::kInvalidArgument, msg); }
 

@@ -12,14 +12,13 @@
 #include "indexcp/error.hpp"
 #include "indexcp/plan.hpp"
 #include "indexcp/tp_group.hpp"
+#include "core/clock.hpp"
 
 namespace indexcp {
 
 namespace {
 
-double now_us() {
-  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
+using detail::now_us;
 
 template <class T>
 struct Dev {

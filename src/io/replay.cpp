@@ -27,6 +27,7 @@
 #include "indexcp/indexer.hpp"
 #include "indexcp/npy.hpp"
 #include "indexcp/tp_group.hpp"
+#include "core/clock.hpp"
 
 namespace indexcp {
 
@@ -78,9 +79,7 @@ std::string ReplayResult::summary() const {
 
 namespace {
 
-double now_us() {
-  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
+using detail::now_us;
 
 [[noreturn]] void invalid(const std::string& file, const std::string& what) {
   throw Error(ErrorCode::kInvalidArgument, file + ": " + what);
