@@ -7,7 +7,7 @@
 #include <limits>
 #include <string>
 
-#include "cpu/kernels.hpp"
+#include "core/batch.hpp"
 #include "indexcp/error.hpp"
 
 namespace indexcp {
@@ -52,7 +52,7 @@ PrefillExtents prefill_extents(const PrefillBatch& host_batch, int32_t page_size
   static const uint8_t no_q = 0;
   if (b.q == nullptr) b.q = &no_q;
   b.heads = 1;
-  const auto rows = cpu::prefill_rows_metadata(b, std::numeric_limits<int64_t>::max(), page_size);
+  const auto rows = detail::prefill_rows_metadata(b, std::numeric_limits<int64_t>::max(), page_size);
   PrefillExtents e;
   e.rows = static_cast<int64_t>(rows.size());
   e.max_rows_per_request = 1;

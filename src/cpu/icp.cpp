@@ -5,6 +5,7 @@
 #include <string>
 
 #include "indexcp/error.hpp"
+#include "core/batch.hpp"
 #include "kernels.hpp"
 
 namespace indexcp {
@@ -22,7 +23,7 @@ void merge_candidates(const Candidate* cands, int32_t world, const std::vector<Q
                       int32_t* out) {
   sel.validate();
   INDEXCP_REQUIRE(world >= 1, "world = " + std::to_string(world) + " must be >= 1");
-  cpu::check_head_range(heads, h0, nh);
+  detail::check_head_range(heads, h0, nh);
   INDEXCP_REQUIRE(rows.empty() || (cands != nullptr && out != nullptr), "cands or out is null");
   cpu::merge(cands, world, rows, heads, h0, nh, sel, out);
 }

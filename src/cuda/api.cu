@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "common.cuh"
-#include "cpu/kernels.hpp"
+#include "core/batch.hpp"
 #include "indexcp/cuda.hpp"
 #include "kernels.cuh"
 #include "launches.cuh"
@@ -74,7 +74,7 @@ void check_not_bf16(const CacheView& c) {
 
 void check_head_range(int32_t heads, int32_t h0, int32_t nh) {
   INDEXCP_REQUIRE(heads >= 1 && heads <= 64, "heads = " + std::to_string(heads) + " is out of range 1..64");
-  cpu::check_head_range(heads, h0, nh);
+  ::indexcp::detail::check_head_range(heads, h0, nh);
 }
 
 void check_decode_shape(const DecodeBatch& b) {
@@ -99,7 +99,7 @@ struct HostPrefill {
   int32_t max_rows_per_request = 1;
 };
 
-// The batch's metadata copied to the host and validated there (cpu::prefill_rows_metadata), and
+// The batch's metadata copied to the host and validated there (detail::prefill_rows_metadata), and
 // q's bytes checked on the GPU, where q lives (a prefill chunk's q is MiBs: copying it back and
 // scanning it on the host cost the synchronous prefill APIs milliseconds). The same errors, in the
 // same order, as prefill_rows on a host copy of the batch.
@@ -122,7 +122,7 @@ HostPrefill read_prefill(const PrefillBatch& b, int64_t num_pages, int32_t page_
     static const int32_t zero = 0;
     hb.query_start = &zero;
   }
-  h.rows = cpu::prefill_rows_metadata(hb, num_pages, page_size);
+  h.rows = ::indexcp::detail::prefill_rows_metadata(hb, num_pages, page_size);
   for (int32_t r = 0; r < b.num_requests; ++r)
     h.max_rows_per_request = std::max(h.max_rows_per_request, h.query_start[r + 1] - h.query_start[r]);
   const int64_t n = rows * b.heads * kHeadDim;
@@ -133,7 +133,7 @@ HostPrefill read_prefill(const PrefillBatch& b, int64_t num_pages, int32_t page_
     unsigned long long e = ~0ull;
     check(cudaMemcpyAsync(&e, first.get(), sizeof(e), cudaMemcpyDeviceToHost, st), "cudaMemcpyAsync (q check)");
     check(cudaStreamSynchronize(st), "cudaStreamSynchronize (q check)");
-    if (e != ~0ull) cpu::throw_q_nan(static_cast<int64_t>(e), b.heads);
+    if (e != ~0ull) ::indexcp::detail::throw_q_nan(static_cast<int64_t>(e), b.heads);
   }
   return h;
 }
