@@ -97,7 +97,7 @@ void bind_host(nb::module_& m) {
       .value("replicated", PrefillPath::kReplicated)
       .value("gather", PrefillPath::kGather)
       .value("local_score", PrefillPath::kLocalScore);
-  nb::enum_<StepStatus>(m, "StepStatus", "The uint32 a merge writes every step (plan.hpp).")
+  nb::enum_<StepStatus>(m, "StepStatus", "The uint32 a merge writes every step (plan.hpp; an IntEnum).", nb::is_arithmetic())
       .value("ok", StepStatus::kOk)
       .value("ranks_disagree", StepStatus::kRanksDisagree)
       .value("gather_units_exceeded", StepStatus::kGatherUnitsExceeded);
@@ -171,7 +171,7 @@ void bind_host(nb::module_& m) {
       .def("depart", &InProcessGroup::depart, "rank"_a);
 
   // ---- insert and Q cast (cache.hpp, spec/indexer.md 6, formats.md 3-5) ---------------------
-  nb::enum_<InsertRefusal>(m, "InsertRefusal", "Why a batch was refused (cache.hpp InsertStatus.reason).")
+  nb::enum_<InsertRefusal>(m, "InsertRefusal", "Why a batch was refused (cache.hpp InsertStatus.reason; an IntEnum).", nb::is_arithmetic())
       .value("none", InsertRefusal::kNone)
       .value("slot_out_of_range", InsertRefusal::kSlotOutOfRange)
       .value("duplicate_slot", InsertRefusal::kDuplicateSlot)
