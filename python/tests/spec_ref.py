@@ -159,22 +159,22 @@ def dot(q_codes, k):
 def block_scores(q_codes, keys_by_pos, pos, owner=None):
     """score[h][b] for b < pos // 128 of one query row: max over the block's positions (those in
     keys_by_pos, and of `owner`'s rows when given as (P, W, rank)) of the dot product; -inf where
-    no position contributes. q_codes uint8 [H, 128]; keys_by_pos: {position: k_hat fp32 [128]}."""
+    no position contributes. q_codes uint8 [H, 128]; keys_by_pos: {position: k_hat fp32 [128]}.
+    Each dot product is the exact sum rounded once to fp32 (as dot())."""
     H = q_codes.shape[0]
     local = pos // 128
     s = np.full((H, max(local, 0)), -np.inf, np.float32)
-    for p, k in keys_by_pos.items():
-        b = p // 128
-        if b >= local:
-            continue
-        if owner is not None:
-            P, W, rank = owner
-            if (p % P) // (P // W) != rank:
-                continue
-        for h in range(H):
-            d = dot(q_codes[h], k)
-            if d > s[h, b]:
-                s[h, b] = d
+    ps = [p for p in keys_by_pos if p // 128 < local]
+    if owner is not None:
+        P, W, rank = owner
+        ps = [p for p in ps if (p % P) // (P // W) == rank]
+    if not ps:
+        return s
+    k = np.stack([keys_by_pos[p] for p in ps]).astype(np.float64)  # [n, 128]
+    d = (e4m3_value(q_codes).astype(np.float64) @ k.T).astype(np.float32)  # [H, n], exact then fp32
+    blocks = np.array(ps) // 128
+    for b in np.unique(blocks):
+        s[:, b] = d[:, blocks == b].max(axis=1)
     return s
 
 
