@@ -33,3 +33,7 @@ __all__ = [n for n in dir(_indexcp) if not n.startswith("_")] + ["__version__"]
 def cuda_built() -> bool:
     """True when this build of the package has the CUDA backend (INDEXCP_CUDA at build time)."""
     return bool(_indexcp.CUDA_BACKEND)
+
+
+if "torch" in __import__("sys").modules:  # torch already imported: register torch.ops.indexcp.*
+    from . import ops  # noqa: F401,E402
