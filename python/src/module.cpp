@@ -66,6 +66,15 @@ Where where_of(const ArrInfo& a, const char* name) {
   invalid(std::string(name) + " must be host memory or memory of the current CUDA device, got " + describe(a));
 }
 
+/// A writable DLPack array from any producer (numpy, torch, CuPy, a DLPack capsule), by name.
+Out as_array(nb::handle obj, const char* name) {
+  Out a;
+  if (!nb::try_cast<Out>(obj, a))
+    invalid(std::string(name) + " must be a writable array (numpy, torch, CuPy or any DLPack producer), got " +
+            nb::cast<std::string>(nb::str(obj.type())));
+  return a;
+}
+
 void check_cache_bytes(const ArrInfo& a, const char* name, Where where) {
   // any shape: an engine may shape its cache tensor [layers, pages, page_stride]
   if (!(a.dtype.code == static_cast<uint8_t>(nb::dlpack::dtype_code::UInt) && a.dtype.bits == 8 && a.dtype.lanes == 1))
@@ -270,8 +279,9 @@ NB_MODULE(_indexcp, m) {
         "make_cache_view. Errors as make_cache_view.");
 
   m.def("make_cache_view",
-        [](const PageLayout& layout, Out cache, int64_t num_pages, int32_t num_layers, int32_t rank,
+        [](const PageLayout& layout, nb::object cache_obj, int64_t num_pages, int32_t num_layers, int32_t rank,
            int64_t layer_stride) {
+          const Out cache = as_array(cache_obj, "cache");
           const ArrInfo a = info(cache);
           const Where where = where_of(a, "cache");
           check_cache_bytes(a, "cache", where);
@@ -283,7 +293,7 @@ NB_MODULE(_indexcp, m) {
                     std::to_string(num_pages) + ", num_layers = " + std::to_string(num_layers) +
                     ", layer_stride = " + std::to_string(c.view.layer_stride()) + " of this layout spans " +
                     std::to_string(c.required_bytes) + " (view_bytes)");
-          c.owner = nb::cast(cache);
+          c.owner = cache_obj;  // the caller's object itself keeps the bytes alive
           return c;
         },
         "layout"_a, "cache"_a, "num_pages"_a, "num_layers"_a = 1, "rank"_a = 0, "layer_stride"_a = 0,
@@ -294,7 +304,10 @@ NB_MODULE(_indexcp, m) {
         "/ not 16-byte aligned (base), and every refusal of C++ make_cache_view.");
 
   m.def("make_cache_view_layers",
-        [](const PageLayout& layout, std::vector<Out> layers, int64_t num_pages, int32_t rank) {
+        [](const PageLayout& layout, nb::sequence layer_objs, int64_t num_pages, int32_t rank) {
+          std::vector<Out> layers;
+          for (size_t l = 0; l < nb::len(layer_objs); ++l)
+            layers.push_back(as_array(layer_objs[l], ("layers[" + std::to_string(l) + "]").c_str()));
           if (layers.empty()) invalid("layers must hold one array per layer, got none");
           PyCacheView c;
           Where where = Where::kHost;
@@ -315,7 +328,7 @@ NB_MODULE(_indexcp, m) {
                       " bytes but one layer of num_pages = " + std::to_string(num_pages) + " spans " +
                       std::to_string(c.view.layer_bytes()) + " (cache_layer_bytes)");
           c.required_bytes = c.view.layer_bytes();
-          c.owner = nb::cast(layers);
+          c.owner = nb::list(layer_objs);
           return c;
         },
         "layout"_a, "layers"_a, "num_pages"_a, "rank"_a = 0,
