@@ -173,8 +173,8 @@ inline void* workspace_ptr(const std::optional<Out>& ws, size_t need, size_t* by
 }
 
 template <class Plan, bool kCuda>
-void bind_decode_plan(nb::module_& m, Where w, const char* backend) {
-  nb::class_<Plan>(m, "DecodePlan",
+nb::class_<Plan> bind_decode_plan(nb::module_& m, Where w, const char* backend) {
+  return nb::class_<Plan>(m, "DecodePlan",
                    (std::string("One rank's decode step as plan / run (plan.hpp; spec/indexer.md 3-5). ") + backend +
                     " Built once from a resolved config, this process's rank and the DecodeLimits; "
                     "InvalidArgumentError names rank / limits.* ; run / publish / merge take caller-owned "

@@ -93,7 +93,28 @@ void bind_cuda(nb::module_& m) {
         "q"_a, "out"_a, nb::kw_only(), "norm_weight"_a = nb::none(), "eps"_a = 1e-6f, "rope"_a = false,
         "rope_theta"_a = 5e6, "positions"_a = nb::none(), "stream"_a = nb::none(),
         "The synchronous, validating index-Q cast on the device (cuda.hpp quantize_queries).");
-  bind_decode_plan<cuda::DecodePlan, true>(m, kDev, kGpu);
+  bind_decode_plan<cuda::DecodePlan, true>(m, kDev, kGpu)
+      .def("send_buffer",
+           [](const cuda::DecodePlan& p, Out workspace) -> nb::object {
+             check_bytes(workspace, "workspace", static_cast<int64_t>(p.workspace_bytes()), 16, kDev);
+             void* s = p.send_buffer(workspace.data());
+             if (!s) return nb::none();
+             return nb::int_(static_cast<uint8_t*>(s) - static_cast<uint8_t*>(workspace.data()));
+           },
+           "workspace"_a,
+           "Byte offset of the send record inside `workspace` (cuda.hpp send_buffer; None for the replicated "
+           "path): workspace[off : off + exchange_bytes] is the buffer of the engine's all-gather.")
+      .def("recv_buffer",
+           [](const cuda::DecodePlan& p, Out workspace) -> nb::object {
+             check_bytes(workspace, "workspace", static_cast<int64_t>(p.workspace_bytes()), 16, kDev);
+             void* r = p.recv_buffer(workspace.data());
+             if (!r) return nb::none();
+             return nb::int_(static_cast<uint8_t*>(r) - static_cast<uint8_t*>(workspace.data()));
+           },
+           "workspace"_a,
+           "Byte offset of the world receive records inside `workspace` (cuda.hpp recv_buffer; None for the "
+           "replicated path).")
+      .def_prop_ro("uses_stock_scorer", &cuda::DecodePlan::uses_stock_scorer);
   bind_prefill_plan<cuda::PrefillPlan, true>(m, kDev, kGpu);
 #else
   (void)m;

@@ -147,3 +147,84 @@ def test_ops_icp_split_exchange_compiled_equals_replicated():
         fn(q8, bt, seq, recv, outs, wss)
         got = torch.cat(outs, dim=1).numpy()
         np.testing.assert_array_equal(got, rep)
+
+
+def test_distributed_decode_with_a_one_rank_group(tmp_path):
+    """The torch.distributed convenience form on a one-rank gloo group: W = 1 with decode CP off is
+    the replicated path; a one-rank group with a W = 1 decode-CP config is refused by the policy
+    (decode CP needs W > 1), so the exchanging path is checked with the split form above."""
+    import torch.distributed as dist
+
+    import indexcp.distributed
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    try:
+        t, view, handle, plan_h, p = make_step(H=4, Q=1, K=4)
+        indexcp.insert_keys(view, 1, torch.randn(6 * 128, 128), torch.arange(6 * 128, dtype=torch.int64))
+        q8 = torch.zeros(2, 4, 128, dtype=torch.uint8)
+        indexcp.quantize_queries(torch.randn(2, 4, 128), q8)
+        bt = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+        seq = torch.tensor([384, 250], dtype=torch.int32)
+        out = torch.zeros(2, 4, 4, dtype=torch.int32)
+        ws = torch.zeros(max(p.workspace_bytes, 16), dtype=torch.uint8)
+        indexcp.distributed.decode(p, view, 1, q8, bt, seq, ws, None, None, out)
+        sync = np.zeros((2, 4, 4), np.int32)
+        indexcp.decode_select(view, 1, q8, bt, seq, 1, 0, 4, indexcp.SelectionParams(topk=4), indexcp.KRounding.e4m3,
+                              sync)
+        np.testing.assert_array_equal(out.numpy(), sync)
+    finally:
+        dist.destroy_process_group()
+
+
+def _icp_rank(rank, world, init, out_dir):
+    import torch.distributed as dist
+
+    import indexcp.distributed
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        keys, slots, q8, bt, seq = _icp_inputs()
+        rc = indexcp.resolve_config(indexcp.AttentionConfig.from_json('{"indexer_cache_sharding": "on", '
+                                                                      '"indexer_kv_dtype": "nvfp4"}'),
+                                    indexcp.EngineParams(tp=world, heads=4, query_len=1))
+        lim = indexcp.DecodeLimits(max_requests=2, max_pages=3, query_len=1, heads=4,
+                                   sel=indexcp.SelectionParams(topk=4))
+        plan = indexcp.DecodePlan(rc, rank, lim)
+        t, view = tensor_cache(W=world, rank=rank)
+        indexcp.insert_keys(view, 0, keys, slots)
+        ws = torch.zeros(max(plan.workspace_bytes, 16), dtype=torch.uint8)
+        send = torch.zeros(plan.exchange_bytes, dtype=torch.uint8)
+        recv = torch.zeros(world * plan.exchange_bytes, dtype=torch.uint8)
+        out = torch.zeros(2, plan.num_heads, 4, dtype=torch.int32)
+        status = torch.zeros(1, dtype=torch.int32)
+        indexcp.distributed.decode(plan, view, 0, q8, bt, seq, ws, send, recv, out, status)
+        assert int(status[0]) == 0
+        np.save(f"{out_dir}/rank{rank}.npy", out.numpy())
+    finally:
+        dist.destroy_process_group()
+
+
+def _icp_inputs():
+    g = torch.Generator().manual_seed(8)
+    keys = torch.randn(6 * 128, 128, generator=g)
+    slots = torch.arange(6 * 128, dtype=torch.int64)
+    q8 = torch.zeros(2, 4, 128, dtype=torch.uint8)
+    indexcp.quantize_queries(torch.randn(2, 4, 128, generator=g), q8)
+    return keys, slots, q8, torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32), torch.tensor([384, 300],
+                                                                                                  dtype=torch.int32)
+
+
+def test_distributed_icp_decode_two_processes_equals_replicated(tmp_path):
+    """Two processes, a gloo group, sharded caches: indexcp.distributed.decode (publish,
+    all_gather_into_tensor, merge) gives the replicated selection bit for bit."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_icp_rank, args=(2, f"file://{tmp_path}/rendezvous", str(tmp_path)), nprocs=2, join=True)
+    got = np.concatenate([np.load(tmp_path / f"rank{r}.npy") for r in range(2)], axis=1)
+    keys, slots, q8, bt, seq = _icp_inputs()
+    t, view = tensor_cache()
+    indexcp.insert_keys(view, 0, keys, slots)
+    rep = np.zeros((2, 4, 4), np.int32)
+    indexcp.decode_select(view, 0, q8, bt, seq, 1, 0, 4, indexcp.SelectionParams(topk=4), indexcp.KRounding.e4m3, rep)
+    np.testing.assert_array_equal(got, rep)
+    assert (rep >= 0).sum() > 8
