@@ -12,11 +12,18 @@ if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
   export PATH="/usr/local/cuda/bin:$PATH"
 fi
 rm -rf "$VENV_DIR"
-"$PYTHON" -m venv --system-site-packages "$VENV_DIR"
-PY="$VENV_DIR/bin/python"
+extra=()
+if "$PYTHON" -m venv --system-site-packages "$VENV_DIR" >/dev/null 2>&1; then
+  PY="$VENV_DIR/bin/python"
+else
+  # no venv module (or no ensurepip): install into the interpreter itself (a disposable machine)
+  log "no virtual environment ($PYTHON -m venv failed): installing into $PYTHON itself"
+  PY="$PYTHON"
+  "$PY" -m pip install --help 2>/dev/null | grep -q -- --break-system-packages && extra+=(--break-system-packages)
+fi
 start=$(date +%s)
 ( cd "$REPO_ROOT" && CMAKE_ARGS="-DINDEXCP_CUDA=ON ${CMAKE_ARGS:-}" "$PY" -m pip install -q --no-build-isolation \
-    --no-deps --no-index -Cbuild-dir=build-pyenv-gpu/build . )
+    --no-deps --no-index "${extra[@]}" -Cbuild-dir=build-pyenv-gpu/build . )
 log "package built and installed in $(( $(date +%s) - start )) s"
 ( cd "$VENV_DIR" && "$PY" -c 'import indexcp, torch; print("indexcp", indexcp.__version__, "cuda_available",
 indexcp.cuda_available(), "torch", torch.__version__)' )
