@@ -25,6 +25,6 @@ start=$(date +%s)
 ( cd "$REPO_ROOT" && CMAKE_ARGS="-DINDEXCP_CUDA=ON ${CMAKE_ARGS:-}" "$PY" -m pip install -q --no-build-isolation \
     --no-deps --no-index "${extra[@]}" -Cbuild-dir=build-pyenv-gpu/build . )
 log "package built and installed in $(( $(date +%s) - start )) s"
-( cd "$VENV_DIR" && "$PY" -c 'import indexcp, torch; print("indexcp", indexcp.__version__, "cuda_available",
+( cd / && "$PY" -c 'import indexcp, torch; print("indexcp", indexcp.__version__, "cuda_available",
 indexcp.cuda_available(), "torch", torch.__version__)' )
 "$PY" -m pytest -q -p no:cacheprovider -rs "$REPO_ROOT/python/tests" "$@"
