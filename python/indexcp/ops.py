@@ -19,6 +19,9 @@ Ops (docstrings of the functions they call give the shapes, dtypes and spec sect
 - ``decode_run_(plan, handle, cache, layer, q, block_table, seq_lens, workspace, out, status)``:
   DecodePlan.run (replicated path, or a plan whose exchange is a Communicator); mutates
   workspace, out, status.
+- ``prefill_run_(plan, handle, cache, layer, q, block_table, seq_lens, query_start, rows,
+  max_rows_per_request, gather_units, workspace, out, status)``: PrefillPlan.run of a replicated
+  prefill plan (:func:`prefill_plan`; the extents as ints); mutates workspace, out, status.
 - ``decode_publish_(plan, handle, cache, layer, q, block_table, seq_lens, workspace, send)`` and
   ``decode_merge_(plan, q, block_table, seq_lens, recv, out, status)``: the split ICP exchange
   (the engine all-gathers ``send`` into ``recv`` with its own communicator in between).
@@ -47,6 +50,13 @@ def decode_plan(config, rank: int, limits, device="cpu") -> int:
     cuda = torch.device(device).type == "cuda"
     plan = (_indexcp.cuda.DecodePlan if cuda else _indexcp.DecodePlan)(config, rank, limits)
     _plans.append(plan)
+    return len(_plans) - 1
+
+
+def prefill_plan(config, rank: int, limits, device="cpu") -> int:
+    """A PrefillPlan of the backend of `device`; returns its handle (``plan(handle)`` gives it)."""
+    cuda = torch.device(device).type == "cuda"
+    _plans.append((_indexcp.cuda.PrefillPlan if cuda else _indexcp.PrefillPlan)(config, rank, limits))
     return len(_plans) - 1
 
 
@@ -91,6 +101,17 @@ def decode_run_(plan: int, handle: int, cache: torch.Tensor, layer: int, q: torc
                      **_stream(cache))
 
 
+@torch.library.custom_op(f"{_LIB}::prefill_run_", mutates_args=("workspace", "out", "status"))
+def prefill_run_(plan: int, handle: int, cache: torch.Tensor, layer: int, q: torch.Tensor, block_table: torch.Tensor,
+                 seq_lens: torch.Tensor, query_start: torch.Tensor, rows: int, max_rows_per_request: int,
+                 gather_units: int, workspace: torch.Tensor, out: torch.Tensor,
+                 status: Optional[torch.Tensor]) -> None:
+    """PrefillPlan.run of plan `plan` with PrefillExtents(rows, max_rows_per_request, gather_units)."""
+    ext = _indexcp.PrefillExtents(rows, max_rows_per_request, gather_units)
+    _plans[plan].run(_view(handle, cache), layer, q, block_table, seq_lens, query_start, ext, workspace, out, None,
+                     status, **_stream(cache))
+
+
 @torch.library.custom_op(f"{_LIB}::decode_publish_", mutates_args=("workspace", "send"))
 def decode_publish_(plan: int, handle: int, cache: torch.Tensor, layer: int, q: torch.Tensor,
                     block_table: torch.Tensor, seq_lens: torch.Tensor, workspace: torch.Tensor,
@@ -107,5 +128,5 @@ def decode_merge_(plan: int, q: torch.Tensor, block_table: torch.Tensor, seq_len
 
 
 # The fake implementations: the ops only write their declared outputs in place.
-for _op in (insert_keys_, quantize_queries_, decode_run_, decode_publish_, decode_merge_):
+for _op in (insert_keys_, quantize_queries_, decode_run_, prefill_run_, decode_publish_, decode_merge_):
     _op.register_fake(lambda *args, **kwargs: None)

@@ -228,3 +228,40 @@ def test_distributed_icp_decode_two_processes_equals_replicated(tmp_path):
     indexcp.decode_select(view, 0, q8, bt, seq, 1, 0, 4, indexcp.SelectionParams(topk=4), indexcp.KRounding.e4m3, rep)
     np.testing.assert_array_equal(got, rep)
     assert (rep >= 0).sum() > 8
+
+
+def test_prefill_op_eager_equals_compiled_and_prefill_select():
+    H, K = 4, 8
+    t, view = tensor_cache(pages=6)
+    handle = indexcp.ops.cache_handle(view)
+    g = torch.Generator().manual_seed(12)
+    indexcp.insert_keys(view, 0, torch.randn(6 * 128, 128, generator=g), torch.arange(6 * 128, dtype=torch.int64))
+    rc = indexcp.resolve_config(indexcp.AttentionConfig.from_json('{"indexer_kv_dtype": "nvfp4"}'),
+                                indexcp.EngineParams(tp=1, heads=H, query_len=1))
+    bt = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+    seq = torch.tensor([384, 300], dtype=torch.int32)
+    query_start = torch.tensor([0, 100, 140], dtype=torch.int32)
+    rows = 140
+    q8 = torch.zeros(rows, H, 128, dtype=torch.uint8)
+    indexcp.quantize_queries(torch.randn(rows, H, 128, generator=g), q8)
+    lim = indexcp.PrefillLimits(max_requests=2, max_pages=3, max_rows=rows, heads=H, sel=indexcp.SelectionParams(topk=K))
+    ph = indexcp.ops.prefill_plan(rc, 0, lim)
+    p = indexcp.ops.plan(ph)
+    ext = indexcp.prefill_extents(bt, seq, query_start, 128)
+    ws = torch.zeros(max(p.workspace_bytes, 16), dtype=torch.uint8)
+    # plain ints: Dynamo does not trace into the binding's objects, so read them outside
+    e_rows, e_max, e_units = ext.rows, ext.max_rows_per_request, ext.gather_units
+
+    def fn(q8, bt, seq, query_start, out):
+        torch.ops.indexcp.prefill_run_(ph, handle, t, 0, q8, bt, seq, query_start, e_rows, e_max, e_units, ws, out,
+                                       None)
+
+    outs = []
+    for f in (fn, torch.compile(fn, fullgraph=True)):
+        out = torch.full((rows, H, K), -7, dtype=torch.int32)
+        f(q8, bt, seq, query_start, out)
+        outs.append(out)
+    sync = np.zeros((rows, H, K), np.int32)
+    indexcp.prefill_select(view, 0, q8, bt, seq, query_start, 0, H, indexcp.SelectionParams(topk=K), sync)
+    assert torch.equal(outs[0], outs[1])
+    np.testing.assert_array_equal(outs[0].numpy(), sync)
