@@ -30,10 +30,22 @@ def batch(seed=0, pages=40, requests=4):
     # every request reads the same 16 physical pages, each in its own order
     pages16 = torch.randperm(pages, generator=g)[:max_pages].to(torch.int32)
     bt = torch.stack([torch.roll(pages16, r) for r in range(requests)])
-    keys = torch.randn(pages * P, 128, generator=g)
+    keys = exact_keys(pages * P, g)
     slots = torch.arange(pages * P, dtype=torch.int64)
-    q32 = torch.randn(requests * Q, H, 128, generator=g) * 3
+    # integer queries (exact in E4M3): with exact keys every dot product is exact in fp32 on both
+    # backends, so the GPU's scores equal the CPU's and the selections must be equal, ties included
+    q32 = torch.randint(-8, 9, (requests * Q, H, 128), generator=g).to(torch.float32)
     return keys, slots, q32, bt, seq
+
+
+def exact_keys(n, g):
+    """Keys whose NVFP4 form is exact: each 16-element group holds values of the E2M1 grid with
+    one element of magnitude 6 (so the scale is 1.0)."""
+    grid = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6])
+    k = grid[torch.randint(0, 8, (n, 8, 16), generator=g)]
+    k[torch.arange(n)[:, None], torch.arange(8)[None, :], torch.randint(0, 16, (n, 8), generator=g)] = 6.0
+    sign = torch.where(torch.rand(n, 8, 16, generator=g) < 0.5, -1.0, 1.0)
+    return (k * sign).reshape(n, 128).contiguous()
 
 
 def test_device_insert_and_q_cast_equal_the_cpu():
