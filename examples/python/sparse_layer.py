@@ -19,7 +19,8 @@ import indexcp.ops  # noqa: F401
 
 class SparseLayer:
     def __init__(self, hidden=256, q_heads=8, kv_heads=2, head_dim=64, index_heads=4, topk=16, page_size=128,
-                 num_pages=64, max_requests=2, query_len=8, tp=2, sharding=True, seed=0, device="cpu"):
+                 num_pages=64, max_requests=2, query_len=8, tp=2, sharding=True, seed=0, device="cpu",
+                 max_tokens=4096):
         g = torch.Generator().manual_seed(seed)
         d = torch.device(device)
         self.H, self.Qh, self.KVh, self.D, self.K, self.P = index_heads, q_heads, kv_heads, head_dim, topk, page_size
@@ -56,6 +57,8 @@ class SparseLayer:
         self.eb = self.ranks[0][3].exchange_bytes
         self.recv = torch.zeros(max(tp * self.eb, 16), dtype=torch.uint8, device=d)
         self.status = torch.zeros(indexcp.STATUS_BYTES, dtype=torch.uint8, device=d)
+        backend = indexcp.cuda if d.type == "cuda" else indexcp
+        self.iws = torch.zeros(max(backend.insert_workspace_bytes(max_tokens), 16), dtype=torch.uint8, device=d)
         self.k_cache = torch.zeros(num_pages, page_size, kv_heads, head_dim, dtype=torch.bfloat16, device=d)
         self.v_cache = torch.zeros_like(self.k_cache)
 
@@ -63,7 +66,7 @@ class SparseLayer:
         """Index keys into the index cache(s), K and V into the paged bf16 KV cache."""
         ik = (hidden @ self.w_ik).contiguous()
         for t, h, *_ in {id(r[0]): r for r in self.ranks}.values():
-            torch.ops.indexcp.insert_keys_(t, ik, slots, self.status, None, h, 0, 1.0)
+            torch.ops.indexcp.insert_keys_(t, ik, slots, self.status, self.iws, h, 0, 1.0)
         page, off = slots // self.P, slots % self.P
         self.k_cache[page, off] = (hidden @ self.w_k).view(-1, self.KVh, self.D).to(torch.bfloat16)
         self.v_cache[page, off] = (hidden @ self.w_v).view(-1, self.KVh, self.D).to(torch.bfloat16)
@@ -107,7 +110,7 @@ class SparseLayer:
             for a in range(self.Qh):
                 blocks = sel[row, a * self.H // self.Qh]
                 blocks = blocks[blocks >= 0].tolist()
-                p = torch.cat([torch.arange(x * 128, min(x * 128 + 128, pos + 1)) for x in blocks])
+                p = torch.cat([torch.arange(x * 128, min(x * 128 + 128, pos + 1)) for x in blocks]).to(self.device)
                 page = block_table[b, p // self.P].long()
                 kv = a * self.KVh // self.Qh
                 k = self.k_cache[page, p % self.P, kv].float()
@@ -119,35 +122,38 @@ class SparseLayer:
     def step(self, hidden, slots, block_table, seq_lens):
         self.write(hidden, slots)
         sel = self.select(hidden, block_table, seq_lens)
-        indexcp.throw_if_refused(self.status)
+        (indexcp.cuda if self.device.type == "cuda" else indexcp).throw_if_refused(self.status)
         return sel, self.attend(hidden, sel, block_table, seq_lens)
 
 
-def decode_loop(sharding, steps=3, prefix=(2500, 3100), seed=0, hidden=256, **kw):
+def decode_loop(sharding, steps=3, prefix=(2500, 3100), seed=0, hidden=256, device="cpu", **kw):
     """A prefix written at once, then `steps` decode steps of Q = 8 speculative tokens per request."""
-    layer = SparseLayer(hidden=hidden, sharding=sharding, seed=seed, **kw)
+    layer = SparseLayer(hidden=hidden, sharding=sharding, seed=seed, device=device, **kw)
+    d = torch.device(device)
     g = torch.Generator().manual_seed(seed + 1)
     R, Q, P = layer.R, layer.Q, layer.P
     block_table = torch.arange(R * layer.max_pages, dtype=torch.int32).view(R, layer.max_pages)
     lens = list(prefix)
     pre = torch.cat([block_table[b, torch.arange(n) // P].long() * P + torch.arange(n) % P
                      for b, n in enumerate(lens)])
-    layer.write(torch.randn(pre.numel(), hidden, generator=g), pre)
+    layer.write(torch.randn(pre.numel(), hidden, generator=g).to(d), pre.to(d))
+    block_table = block_table.to(d)
     results = []
     for _ in range(steps):
         new = [torch.arange(n, n + Q) for n in lens]
-        slots = torch.cat([block_table[b, p // P].long() * P + p % P for b, p in enumerate(new)])
+        slots = torch.cat([block_table[b, p.to(d) // P].long() * P + p.to(d) % P for b, p in enumerate(new)])
         lens = [n + Q for n in lens]
-        seq = torch.tensor(lens, dtype=torch.int32)
-        results.append(layer.step(torch.randn(R * Q, hidden, generator=g), slots, block_table, seq))
+        seq = torch.tensor(lens, dtype=torch.int32, device=d)
+        results.append(layer.step(torch.randn(R * Q, hidden, generator=g).to(d), slots, block_table, seq))
     return results
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--device", default="cpu")
     a = ap.parse_args()
-    off, on = decode_loop(False, a.steps), decode_loop(True, a.steps)
+    off, on = decode_loop(False, a.steps, device=a.device), decode_loop(True, a.steps, device=a.device)
     for i, ((s0, o0), (s1, o1)) in enumerate(zip(off, on)):
         same = torch.equal(s0, s1) and torch.equal(o0, o1)
         print(f"step {i}: selections {tuple(s0.shape)}, outputs {tuple(o0.shape)}, sharding on == off: {same}")

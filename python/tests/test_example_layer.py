@@ -26,3 +26,16 @@ def test_sharding_on_equals_off():
         assert (s0 >= 0).all()  # more than K visible blocks: every slot holds a block
         assert not (s0[:, :, :15] == torch.arange(15, dtype=torch.int32)).all()  # a real top-k choice
         assert torch.isfinite(o0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not os.path.isdir(EXAMPLES), reason="examples/python is not in this checkout")
+def test_sharding_on_equals_off_on_the_gpu():
+    sys.path.insert(0, EXAMPLES)
+    import sparse_layer
+
+    off = sparse_layer.decode_loop(False, steps=2, device="cuda")
+    on = sparse_layer.decode_loop(True, steps=2, device="cuda")
+    for (s0, o0), (s1, o1) in zip(off, on):
+        assert torch.equal(s0, s1) and torch.equal(o0, o1)
+        assert (s0 >= 0).all() and torch.isfinite(o0).all()
