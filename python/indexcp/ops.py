@@ -1,0 +1,132 @@
+"""PyTorch custom ops over the package (``torch.ops.indexcp.*``), registered when this module is
+imported (``import indexcp.ops``; ``import indexcp`` imports it by itself when torch is already
+imported). Each op is an out-variant: it writes caller-owned tensors declared in ``mutates_args``
+and returns nothing, so torch.compile functionalizes it and (on the GPU) a CUDA graph captures it;
+the fake implementations do nothing (outputs keep their metadata). CPU tensors run the CPU
+backend, CUDA tensors the CUDA backend on the current torch stream.
+
+A cache view or a plan is not a tensor, so the ops take them by handle: :func:`cache_handle`
+records a view's geometry (layout, pages, layers, rank, layer stride; the view itself is rebuilt
+over the cache tensor at each call, checked as make_cache_view checks it), :func:`decode_plan`
+makes a DecodePlan of the tensors' backend and returns its handle. Handles are plain ints, so they
+are constants to torch.compile and to a captured graph.
+
+Ops (docstrings of the functions they call give the shapes, dtypes and spec sections):
+
+- ``insert_keys_(cache, keys, slot_mapping, status, workspace, handle, layer, encode_scale)``:
+  insert_keys_async; mutates cache, status.
+- ``quantize_queries_(q, out, status)``: quantize_queries_async; mutates out, status.
+- ``decode_run_(plan, handle, cache, layer, q, block_table, seq_lens, workspace, out, status)``:
+  DecodePlan.run (replicated path, or a plan whose exchange is a Communicator); mutates
+  workspace, out, status.
+- ``prefill_run_(plan, handle, cache, layer, q, block_table, seq_lens, query_start, rows,
+  max_rows_per_request, gather_units, workspace, out, status)``: PrefillPlan.run of a replicated
+  prefill plan (:func:`prefill_plan`; the extents as ints); mutates workspace, out, status.
+- ``decode_publish_(plan, handle, cache, layer, q, block_table, seq_lens, workspace, send)`` and
+  ``decode_merge_(plan, q, block_table, seq_lens, recv, out, status)``: the split ICP exchange
+  (the engine all-gathers ``send`` into ``recv`` with its own communicator in between).
+"""
+
+from typing import Optional
+
+import torch
+
+from . import _indexcp
+
+_LIB = "indexcp"
+_views = []  # handle -> (layout, num_pages, num_layers, rank, layer_stride)
+_plans = []  # handle -> DecodePlan (CPU or CUDA)
+
+
+def cache_handle(view) -> int:
+    """A handle for the geometry of a cache view (built with make_cache_view over a tensor)."""
+    _views.append((view.layout, view.num_pages, view.num_layers, view.rank, view.layer_stride))
+    return len(_views) - 1
+
+
+def decode_plan(config, rank: int, limits, device="cpu") -> int:
+    """A DecodePlan of the backend of `device` ("cpu" or a CUDA device); returns its handle.
+    ``plan(handle)`` gives the plan (workspace_bytes, num_heads, exchange_bytes)."""
+    cuda = torch.device(device).type == "cuda"
+    plan = (_indexcp.cuda.DecodePlan if cuda else _indexcp.DecodePlan)(config, rank, limits)
+    _plans.append(plan)
+    return len(_plans) - 1
+
+
+def prefill_plan(config, rank: int, limits, device="cpu") -> int:
+    """A PrefillPlan of the backend of `device`; returns its handle (``plan(handle)`` gives it)."""
+    cuda = torch.device(device).type == "cuda"
+    _plans.append((_indexcp.cuda.PrefillPlan if cuda else _indexcp.PrefillPlan)(config, rank, limits))
+    return len(_plans) - 1
+
+
+def plan(handle: int):
+    return _plans[handle]
+
+
+def _view(handle: int, cache: torch.Tensor):
+    layout, num_pages, num_layers, rank, layer_stride = _views[handle]
+    return _indexcp.make_cache_view(layout, cache, num_pages, num_layers, rank, layer_stride)
+
+
+def _backend(t: torch.Tensor):
+    return _indexcp.cuda if t.is_cuda else _indexcp
+
+
+def _stream(t: torch.Tensor) -> dict:
+    return {"stream": torch.cuda.current_stream(t.device).cuda_stream} if t.is_cuda else {}
+
+
+@torch.library.custom_op(f"{_LIB}::insert_keys_", mutates_args=("cache", "status"))
+def insert_keys_(cache: torch.Tensor, keys: torch.Tensor, slot_mapping: torch.Tensor, status: torch.Tensor,
+                 workspace: Optional[torch.Tensor], handle: int, layer: int, encode_scale: float = 1.0) -> None:
+    """insert_keys_async into the cache tensor of `handle`'s geometry (keys fp32 or bf16
+    [num_tokens, 128], slot_mapping int64 [num_tokens], status uint8 [STATUS_BYTES])."""
+    _backend(cache).insert_keys_async(_view(handle, cache), layer, keys, slot_mapping, status, workspace,
+                                      encode_scale=encode_scale, **_stream(cache))
+
+
+@torch.library.custom_op(f"{_LIB}::quantize_queries_", mutates_args=("out", "status"))
+def quantize_queries_(q: torch.Tensor, out: torch.Tensor, status: torch.Tensor) -> None:
+    """quantize_queries_async: q fp32 [num_tokens, heads, 128] -> out uint8 E4M3, refusals in status."""
+    _backend(q).quantize_queries_async(q, out, status, **_stream(q))
+
+
+@torch.library.custom_op(f"{_LIB}::decode_run_", mutates_args=("workspace", "out", "status"))
+def decode_run_(plan: int, handle: int, cache: torch.Tensor, layer: int, q: torch.Tensor, block_table: torch.Tensor,
+                seq_lens: torch.Tensor, workspace: torch.Tensor, out: torch.Tensor,
+                status: Optional[torch.Tensor]) -> None:
+    """DecodePlan.run of plan `plan` over the cache tensor of geometry `handle`."""
+    _plans[plan].run(_view(handle, cache), layer, q, block_table, seq_lens, workspace, out, None, status,
+                     **_stream(cache))
+
+
+@torch.library.custom_op(f"{_LIB}::prefill_run_", mutates_args=("workspace", "out", "status"))
+def prefill_run_(plan: int, handle: int, cache: torch.Tensor, layer: int, q: torch.Tensor, block_table: torch.Tensor,
+                 seq_lens: torch.Tensor, query_start: torch.Tensor, rows: int, max_rows_per_request: int,
+                 gather_units: int, workspace: torch.Tensor, out: torch.Tensor,
+                 status: Optional[torch.Tensor]) -> None:
+    """PrefillPlan.run of plan `plan` with PrefillExtents(rows, max_rows_per_request, gather_units)."""
+    ext = _indexcp.PrefillExtents(rows, max_rows_per_request, gather_units)
+    _plans[plan].run(_view(handle, cache), layer, q, block_table, seq_lens, query_start, ext, workspace, out, None,
+                     status, **_stream(cache))
+
+
+@torch.library.custom_op(f"{_LIB}::decode_publish_", mutates_args=("workspace", "send"))
+def decode_publish_(plan: int, handle: int, cache: torch.Tensor, layer: int, q: torch.Tensor,
+                    block_table: torch.Tensor, seq_lens: torch.Tensor, workspace: torch.Tensor,
+                    send: torch.Tensor) -> None:
+    """DecodePlan.publish: this rank's exchange record into send (uint8 [exchange_bytes])."""
+    _plans[plan].publish(_view(handle, cache), layer, q, block_table, seq_lens, workspace, send, **_stream(cache))
+
+
+@torch.library.custom_op(f"{_LIB}::decode_merge_", mutates_args=("out", "status"))
+def decode_merge_(plan: int, q: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                  recv: torch.Tensor, out: torch.Tensor, status: Optional[torch.Tensor]) -> None:
+    """DecodePlan.merge: every rank's record (recv uint8 [world * exchange_bytes]) -> out, status."""
+    _plans[plan].merge(q, block_table, seq_lens, recv, out, status, **_stream(q))
+
+
+# The fake implementations: the ops only write their declared outputs in place.
+for _op in (insert_keys_, quantize_queries_, decode_run_, prefill_run_, decode_publish_, decode_merge_):
+    _op.register_fake(lambda *args, **kwargs: None)

@@ -1,0 +1,124 @@
+// indexcp Python extension: the CUDA backend (cuda.hpp), bound when the library has it.
+#include "calls.hpp"
+#include "common.hpp"
+#include "indexcp/version.hpp"
+
+#if INDEXCP_CUDA_BACKEND
+#include "indexcp/cuda.hpp"
+#endif
+
+using namespace indexcp;
+using namespace nb::literals;
+
+namespace indexcp::py {
+
+void bind_cuda(nb::module_& m) {
+#if INDEXCP_CUDA_BACKEND
+  constexpr Where kDev = Where::kDevice;
+  constexpr const char* kGpu =
+      "CUDA backend: every array is memory of the current CUDA device (torch / CuPy / any DLPack producer); "
+      "work is enqueued on `stream` (an int cudaStream_t; None: the current torch stream when torch is "
+      "imported, else the legacy default stream 0) without host synchronization or allocation.";
+  m.def("available", &cuda::available, "True when a GPU is visible to the CUDA backend.");
+  m.def("device_name", &cuda::device_name);
+  m.def("prepare_device", &cuda::prepare_device,
+        "One-time setup of the current device (before the first CUDA graph capture; cuda.hpp).");
+  m.def("insert_workspace_bytes", [](int64_t n) { return cuda::insert_workspace_bytes(n); }, "max_tokens"_a,
+        "Device workspace bytes insert_keys_async needs for up to max_tokens tokens (cuda.hpp).");
+  bind_insert_async(m, kDev, &cuda::insert_keys_async, &cuda::insert_keys_bf16_async, kGpu);
+  bind_quantize_async(m, kDev, &cuda::quantize_queries_async, kGpu);
+  m.def("reset_status",
+        [](Out status, std::optional<uintptr_t> stream) {
+          cuda::reset_status(status_ptr(status, kDev), static_cast<CUstream_st*>(stream_of(stream)));
+        },
+        "status"_a, nb::kw_only(), "stream"_a = nb::none(), "Zero-fills a device status (a memset; capturable).");
+  m.def("read_status",
+        [](Out status, std::optional<uintptr_t> stream) {
+          return cuda::read_status(status_ptr(status, kDev), static_cast<CUstream_st*>(stream_of(stream)));
+        },
+        "status"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "Copies a device status to the host (synchronizes the stream): InsertStatus.");
+  m.def("throw_if_refused",
+        [](Out status, std::optional<uintptr_t> stream) {
+          throw_if_refused(cuda::read_status(status_ptr(status, kDev), static_cast<CUstream_st*>(stream_of(stream))));
+        },
+        "status"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "Reads a device status (sync) and raises the synchronous call's error when it recorded a refusal.");
+  m.def("fill_rope_table",
+        [](Out out, double rope_theta, std::optional<uintptr_t> stream) {
+          check(out, "out", {Dt::kF32}, {-1, 64}, "[num_positions, 64]", kDev);
+          cuda::fill_rope_table(static_cast<float*>(out.data()), static_cast<int64_t>(out.shape(0)), rope_theta,
+                                static_cast<CUstream_st*>(stream_of(stream)));
+        },
+        "out"_a, "rope_theta"_a = 5e6, nb::kw_only(), "stream"_a = nb::none(),
+        "Fills a device RoPE table fp32 [num_positions, 64] and synchronizes (setup, not for capture).");
+  m.def("insert_keys",
+        [](const PyCacheView& cache, int32_t layer, In keys, In slot_mapping, float encode_scale,
+           std::optional<In> norm_weight, float eps, bool rope, double rope_theta, std::optional<In> positions,
+           std::optional<uintptr_t> stream) {
+          const CacheView& v = view_at(cache, kDev);
+          const Dt kd = check_keys(keys, kDev);
+          const int64_t n = static_cast<int64_t>(keys.shape(0));
+          const std::string dims = "[num_tokens = " + std::to_string(n) + "]";
+          check(slot_mapping, "slot_mapping", {Dt::kI64}, {n}, dims.c_str(), kDev);
+          InsertOptions opts;
+          opts.encode_scale = encode_scale;
+          opts.pre = make_pre(kDev, n, norm_weight, eps, rope, rope_theta, positions, std::nullopt);
+          auto* s = static_cast<CUstream_st*>(stream_of(stream));
+          nb::gil_scoped_release nogil;
+          if (kd == Dt::kF32)
+            cuda::insert_keys(v, layer, static_cast<const float*>(keys.data()),
+                              static_cast<const int64_t*>(slot_mapping.data()), n, opts, s);
+          else
+            cuda::insert_keys_bf16(v, layer, static_cast<const uint16_t*>(keys.data()),
+                                   static_cast<const int64_t*>(slot_mapping.data()), n, opts, s);
+        },
+        "cache"_a, "layer"_a, "keys"_a, "slot_mapping"_a, nb::kw_only(), "encode_scale"_a = 1.0f,
+        "norm_weight"_a = nb::none(), "eps"_a = 1e-6f, "rope"_a = false, "rope_theta"_a = 5e6,
+        "positions"_a = nb::none(), "stream"_a = nb::none(),
+        "The synchronous, validating insert on the device (cuda.hpp insert_keys; raises as the CPU insert).");
+  m.def("quantize_queries",
+        [](In q, Out out, std::optional<In> norm_weight, float eps, bool rope, double rope_theta,
+           std::optional<In> positions, std::optional<uintptr_t> stream) {
+          check(q, "q", {Dt::kF32}, {-1, -1, 128}, "[num_tokens, heads, 128]", kDev);
+          const int64_t n = static_cast<int64_t>(q.shape(0));
+          const int32_t heads = static_cast<int32_t>(q.shape(1));
+          const std::string dims = "[num_tokens = " + std::to_string(n) + ", heads = " + std::to_string(heads) + ", 128]";
+          check(out, "out", {Dt::kU8}, {n, heads, 128}, dims.c_str(), kDev);
+          const KeyPreprocess pre = make_pre(kDev, n, norm_weight, eps, rope, rope_theta, positions, std::nullopt);
+          auto* s = static_cast<CUstream_st*>(stream_of(stream));
+          nb::gil_scoped_release nogil;
+          cuda::quantize_queries(static_cast<const float*>(q.data()), n, heads, pre, static_cast<uint8_t*>(out.data()), s);
+        },
+        "q"_a, "out"_a, nb::kw_only(), "norm_weight"_a = nb::none(), "eps"_a = 1e-6f, "rope"_a = false,
+        "rope_theta"_a = 5e6, "positions"_a = nb::none(), "stream"_a = nb::none(),
+        "The synchronous, validating index-Q cast on the device (cuda.hpp quantize_queries).");
+  bind_decode_plan<cuda::DecodePlan, true>(m, kDev, kGpu)
+      .def("send_buffer",
+           [](const cuda::DecodePlan& p, Out workspace) -> nb::object {
+             check_bytes(workspace, "workspace", static_cast<int64_t>(p.workspace_bytes()), 16, kDev);
+             void* s = p.send_buffer(workspace.data());
+             if (!s) return nb::none();
+             return nb::int_(static_cast<uint8_t*>(s) - static_cast<uint8_t*>(workspace.data()));
+           },
+           "workspace"_a,
+           "Byte offset of the send record inside `workspace` (cuda.hpp send_buffer; None for the replicated "
+           "path): workspace[off : off + exchange_bytes] is the buffer of the engine's all-gather.")
+      .def("recv_buffer",
+           [](const cuda::DecodePlan& p, Out workspace) -> nb::object {
+             check_bytes(workspace, "workspace", static_cast<int64_t>(p.workspace_bytes()), 16, kDev);
+             void* r = p.recv_buffer(workspace.data());
+             if (!r) return nb::none();
+             return nb::int_(static_cast<uint8_t*>(r) - static_cast<uint8_t*>(workspace.data()));
+           },
+           "workspace"_a,
+           "Byte offset of the world receive records inside `workspace` (cuda.hpp recv_buffer; None for the "
+           "replicated path).")
+      .def_prop_ro("uses_stock_scorer", &cuda::DecodePlan::uses_stock_scorer);
+  bind_prefill_plan<cuda::PrefillPlan, true>(m, kDev, kGpu);
+#else
+  (void)m;
+#endif
+}
+
+}  // namespace indexcp::py

@@ -1,0 +1,230 @@
+"""The CUDA backend through the package (marker `gpu`: skipped without the CUDA backend or a GPU;
+with PyTorch for the device tensors). Device results equal the CPU backend's: insert bytes and the
+Q cast bit for bit, selections of the CUDA plan equal the CPU plan's, the ICP split exchange equals
+the replicated CUDA plan bit for bit, a CUDA graph of insert + Q cast + decode replays with new
+inputs, and the torch ops run eagerly, compiled and graph-replayed with the same bits."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import indexcp  # noqa: E402
+import indexcp.ops  # noqa: E402,F401
+
+pytestmark = [pytest.mark.gpu, pytest.mark.torch]
+
+H, Q, K, P = 4, 2, 16, 128
+
+
+def caches(W=1, rank=0, pages=40, layers=2, device="cuda"):
+    layout = indexcp.make_page_layout(indexcp.KvDtype.nvfp4, P, W)
+    t = torch.zeros(indexcp.view_bytes(layout, pages, layers), dtype=torch.uint8, device=device)
+    return t, indexcp.make_cache_view(layout, t, pages, layers, rank)
+
+
+def batch(seed=0, pages=40, requests=4):
+    g = torch.Generator().manual_seed(seed)
+    seq = torch.tensor([2000, 1500, 0, 700][:requests], dtype=torch.int32)
+    max_pages = 16
+    # every request reads the same 16 physical pages, each in its own order
+    pages16 = torch.randperm(pages, generator=g)[:max_pages].to(torch.int32)
+    bt = torch.stack([torch.roll(pages16, r) for r in range(requests)])
+    keys = exact_keys(pages * P, g)
+    slots = torch.arange(pages * P, dtype=torch.int64)
+    # integer queries (exact in E4M3): with exact keys every dot product is exact in fp32 on both
+    # backends, so the GPU's scores equal the CPU's and the selections must be equal, ties included
+    q32 = torch.randint(-8, 9, (requests * Q, H, 128), generator=g).to(torch.float32)
+    return keys, slots, q32, bt, seq
+
+
+def exact_keys(n, g):
+    """Keys whose NVFP4 form is exact: each 16-element group holds values of the E2M1 grid with
+    one element of magnitude 6 (so the scale is 1.0)."""
+    grid = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6])
+    k = grid[torch.randint(0, 8, (n, 8, 16), generator=g)]
+    k[torch.arange(n)[:, None], torch.arange(8)[None, :], torch.randint(0, 16, (n, 8), generator=g)] = 6.0
+    sign = torch.where(torch.rand(n, 8, 16, generator=g) < 0.5, -1.0, 1.0)
+    return (k * sign).reshape(n, 128).contiguous()
+
+
+def test_device_insert_and_q_cast_equal_the_cpu():
+    keys, slots, q32, _, _ = batch()
+    ct, cv = caches(device="cpu")
+    indexcp.insert_keys(cv, 1, keys, slots)
+    gt, gv = caches()
+    status = torch.zeros(indexcp.STATUS_BYTES, dtype=torch.uint8, device="cuda")
+    ws = torch.zeros(indexcp.cuda.insert_workspace_bytes(keys.shape[0]), dtype=torch.uint8, device="cuda")
+    indexcp.cuda.insert_keys_async(gv, 1, keys.cuda(), slots.cuda(), status, ws)
+    indexcp.cuda.throw_if_refused(status)
+    assert torch.equal(gt.cpu(), ct)
+    q8c = torch.zeros(q32.shape, dtype=torch.uint8)
+    indexcp.quantize_queries(q32, q8c)
+    q8g = torch.zeros(q32.shape, dtype=torch.uint8, device="cuda")
+    indexcp.cuda.quantize_queries_async(q32.cuda(), q8g, status)
+    indexcp.cuda.throw_if_refused(status)
+    assert torch.equal(q8g.cpu(), q8c)
+
+
+def test_device_refusals_by_name():
+    gt, gv = caches()
+    status = torch.zeros(indexcp.STATUS_BYTES, dtype=torch.uint8, device="cuda")
+    before = gt.clone()
+    with pytest.raises(indexcp.InvalidArgumentError, match="keys"):
+        indexcp.cuda.insert_keys_async(gv, 0, torch.randn(3, 128), torch.arange(3).cuda(), status)
+    with pytest.raises(indexcp.InvalidArgumentError, match="cache"):
+        ct, cv = caches(device="cpu")
+        indexcp.cuda.insert_keys_async(cv, 0, torch.randn(3, 128).cuda(), torch.arange(3).cuda(), status)
+    assert torch.equal(gt, before)
+
+
+def resolved(W, sharding):
+    cfg = '{"indexer_kv_dtype": "nvfp4", "indexer_cache_sharding": "%s"}' % ("on" if sharding else "off")
+    return indexcp.resolve_config(indexcp.AttentionConfig.from_json(cfg),
+                                  indexcp.EngineParams(tp=W, heads=H, query_len=Q))
+
+
+def limits(bt):
+    return indexcp.DecodeLimits(max_requests=bt.shape[0], max_pages=bt.shape[1], query_len=Q, heads=H,
+                                sel=indexcp.SelectionParams(topk=K))
+
+
+def test_cuda_plan_equals_the_cpu_plan_and_icp_equals_replicated():
+    keys, slots, q32, bt, seq = batch()
+    q8 = torch.zeros(q32.shape, dtype=torch.uint8)
+    indexcp.quantize_queries(q32, q8)
+    rows = bt.shape[0] * Q
+    # CPU replicated
+    ct, cv = caches(device="cpu")
+    indexcp.insert_keys(cv, 1, keys, slots)
+    cplan = indexcp.DecodePlan(resolved(1, False), 0, limits(bt))
+    cout = torch.zeros(rows, H, K, dtype=torch.int32)
+    cplan.run(cv, 1, q8, bt, seq, torch.zeros(max(cplan.workspace_bytes, 16), dtype=torch.uint8), cout)
+    # CUDA replicated
+    gt, gv = caches()
+    gt.copy_(ct)
+    gplan = indexcp.cuda.DecodePlan(resolved(1, False), 0, limits(bt))
+    gout = torch.zeros(rows, H, K, dtype=torch.int32, device="cuda")
+    gws = torch.zeros(gplan.workspace_bytes, dtype=torch.uint8, device="cuda")
+    gplan.run(gv, 1, q8.cuda(), bt.cuda(), seq.cuda(), gws, gout)
+    torch.cuda.synchronize()
+    assert torch.equal(gout.cpu(), cout)
+    # CUDA ICP over two shards, split exchange
+    W = 2
+    plans, views, tensors = [], [], []
+    for r in range(W):
+        t, v = caches(W=W, rank=r)
+        indexcp.cuda.insert_keys(v, 1, keys.cuda(), slots.cuda())
+        plans.append(indexcp.cuda.DecodePlan(resolved(W, True), r, limits(bt)))
+        views.append(v)
+        tensors.append(t)
+    eb = plans[0].exchange_bytes
+    recv = torch.zeros(W * eb, dtype=torch.uint8, device="cuda")
+    outs = []
+    for r, p in enumerate(plans):
+        ws = torch.zeros(p.workspace_bytes, dtype=torch.uint8, device="cuda")
+        p.publish(views[r], 1, q8.cuda(), bt.cuda(), seq.cuda(), ws, recv[r * eb:(r + 1) * eb])
+    for p in plans:
+        o = torch.zeros(rows, p.num_heads, K, dtype=torch.int32, device="cuda")
+        st = torch.zeros(1, dtype=torch.int32, device="cuda")
+        p.merge(q8.cuda(), bt.cuda(), seq.cuda(), recv, o, st)
+        outs.append(o)
+        torch.cuda.synchronize()
+        assert int(st.item()) == 0
+    assert torch.equal(torch.cat(outs, dim=1), gout)
+
+
+def test_cuda_graph_of_insert_qcast_decode_replays_with_new_inputs():
+    keys, slots, q32, bt, seq = batch(1)
+    gt, gv = caches()
+    indexcp.cuda.prepare_device()
+    plan = indexcp.cuda.DecodePlan(resolved(1, False), 0, limits(bt))
+    n = 256
+    s_keys = torch.zeros(n, 128, device="cuda")
+    s_slots = torch.full((n,), -1, dtype=torch.int64, device="cuda")
+    s_q32 = torch.zeros(q32.shape, device="cuda")
+    s_q8 = torch.zeros(q32.shape, dtype=torch.uint8, device="cuda")
+    s_bt, s_seq = bt.cuda(), seq.cuda()
+    out = torch.zeros(bt.shape[0] * Q, H, K, dtype=torch.int32, device="cuda")
+    ws = torch.zeros(plan.workspace_bytes, dtype=torch.uint8, device="cuda")
+    iws = torch.zeros(indexcp.cuda.insert_workspace_bytes(n), dtype=torch.uint8, device="cuda")
+    status = torch.zeros(indexcp.STATUS_BYTES, dtype=torch.uint8, device="cuda")
+    # fill the cache eagerly with everything but the last n tokens
+    indexcp.cuda.insert_keys(gv, 1, keys[:-n].cuda(), slots[:-n].cuda())
+
+    def body():
+        indexcp.cuda.insert_keys_async(gv, 1, s_keys, s_slots, status, iws)
+        indexcp.cuda.quantize_queries_async(s_q32, s_q8, status)
+        plan.run(gv, 1, s_q8, s_bt, s_seq, ws, out)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        body()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    s_keys.copy_(keys[-n:])
+    s_slots.copy_(slots[-n:])
+    s_q32.copy_(q32)
+    graph.replay()
+    torch.cuda.synchronize()
+    indexcp.cuda.throw_if_refused(status)
+    # the same step eagerly on the CPU backend
+    ct, cv = caches(device="cpu")
+    indexcp.insert_keys(cv, 1, keys, slots)
+    assert torch.equal(gt.cpu(), ct)
+    q8 = torch.zeros(q32.shape, dtype=torch.uint8)
+    indexcp.quantize_queries(q32, q8)
+    assert torch.equal(s_q8.cpu(), q8)
+    cplan = indexcp.DecodePlan(resolved(1, False), 0, limits(bt))
+    cout = torch.zeros(out.shape, dtype=torch.int32)
+    cplan.run(cv, 1, q8, bt, seq, torch.zeros(max(cplan.workspace_bytes, 16), dtype=torch.uint8), cout)
+    assert torch.equal(out.cpu(), cout)
+
+
+def test_torch_ops_on_cuda_eager_compiled_and_graph():
+    keys, slots, q32, bt, seq = batch(2)
+    gt, gv = caches()
+    handle = indexcp.ops.cache_handle(gv)
+    plan_h = indexcp.ops.decode_plan(resolved(1, False), 0, limits(bt), device="cuda")
+    plan = indexcp.ops.plan(plan_h)
+    d = dict(device="cuda")
+    keys, slots, q32, bt, seq = keys.cuda(), slots.cuda(), q32.cuda(), bt.cuda(), seq.cuda()
+    ws = torch.zeros(plan.workspace_bytes, dtype=torch.uint8, **d)
+    iws = torch.zeros(indexcp.cuda.insert_workspace_bytes(keys.shape[0]), dtype=torch.uint8, **d)
+
+    def step(cache, keys, slots, q32, bt, seq, q8, out, st):
+        torch.ops.indexcp.insert_keys_(cache, keys, slots, st, iws, handle, 1, 1.0)
+        torch.ops.indexcp.quantize_queries_(q32, q8, st)
+        torch.ops.indexcp.decode_run_(plan_h, handle, cache, 1, q8, bt, seq, ws, out, None)
+
+    results = []
+    for mode in ("eager", "compiled", "graph"):
+        gt.zero_()
+        q8 = torch.zeros(q32.shape, dtype=torch.uint8, **d)
+        out = torch.zeros(bt.shape[0] * Q, H, K, dtype=torch.int32, **d)
+        st = torch.zeros(indexcp.STATUS_BYTES, dtype=torch.uint8, **d)
+        args = (gt, keys, slots, q32, bt, seq, q8, out, st)
+        if mode == "eager":
+            step(*args)
+        elif mode == "compiled":
+            torch.compile(step, fullgraph=True)(*args)
+        else:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                step(*args)
+            torch.cuda.current_stream().wait_stream(s)
+            gt.zero_()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                step(*args)
+            g.replay()
+        torch.cuda.synchronize()
+        indexcp.cuda.throw_if_refused(st)
+        results.append((gt.clone(), out.clone(), q8.clone()))
+    for r in results[1:]:
+        for a, b in zip(results[0], r):
+            assert torch.equal(a, b)
