@@ -61,6 +61,9 @@ const std::vector<Knob>& knob_table() {
        "the folder holding vectors/nvfp4_blocks.json that the tests read; scripts/common.sh passes it to CMake."},
       {"INDEXCP_CUDA", K::kEnv, "AUTO", "scripts",
        "ON, OFF or AUTO: scripts/common.sh passes it to CMake as -DINDEXCP_CUDA."},
+      {"INDEXCP_CI_TORCH", K::kEnv, "1", "scripts",
+       "1: scripts/python_test.sh installs PyTorch from PyPI and runs the Python package's torch tests too; 0 "
+       "skips them (docs/python.md)."},
       {"INDEXCP_PACKAGE_JOBS", K::kEnv, "2", "tests", "parallel build jobs of the CMake package tests (scripts/test_package.sh)."},
       {"INDEXCP_WRITE_BAD_INPUTS", K::kEnv, "", "tests",
        "set: test_bad_inputs rewrites docs/bad-inputs.md from the real runs instead of comparing with it."},
@@ -75,6 +78,8 @@ const std::vector<Knob>& knob_table() {
       {"INDEXCP_BUILD_BENCH", K::kCmake, "ON at top level", "build", "build the benchmarks (Google Benchmark)."},
       {"INDEXCP_INSTALL", K::kCmake, "ON at top level", "build",
        "generate the install rules (headers, library, CMake package, the command and its data)."},
+      {"INDEXCP_PYTHON", K::kCmake, "OFF", "build",
+       "build the Python extension module (python/; pyproject.toml turns it on for pip install .)."},
       {"INDEXCP_INSTALL_CMAKEDIR", K::kCmake, "lib/cmake/indexcp", "build", "where the CMake package is installed."},
       {"INDEXCP_SANITIZE", K::kCmake, "", "build", "sanitizers of a CPU build, e.g. address,undefined (scripts/sanitize.sh)."},
       {"INDEXCP_FUZZ", K::kCmake, "OFF", "build", "build the libFuzzer targets of fuzz/ (clang only)."},
