@@ -15,6 +15,13 @@ rm -rf "$VENV_DIR"
 extra=()
 if "$PYTHON" -m venv --system-site-packages "$VENV_DIR" >/dev/null 2>&1; then
   PY="$VENV_DIR/bin/python"
+  # an interpreter that is itself a virtual environment (torch preinstalled in /opt/.../.venv):
+  # --system-site-packages reaches the base interpreter's packages only, so the new environment
+  # also sees the parent environment's through a .pth file
+  parent_site=$("$PYTHON" -c 'import sys, sysconfig; print(sysconfig.get_paths()["purelib"] if sys.prefix != sys.base_prefix else "")')
+  if [ -n "$parent_site" ]; then
+    echo "$parent_site" > "$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_indexcp_parent_env.pth"
+  fi
 else
   # no venv module (or no ensurepip): install into the interpreter itself (a disposable machine)
   log "no virtual environment ($PYTHON -m venv failed): installing into $PYTHON itself"
