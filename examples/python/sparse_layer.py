@@ -128,6 +128,7 @@ class SparseLayer:
 
 def decode_loop(sharding, steps=3, prefix=(2500, 3100), seed=0, hidden=256, device="cpu", **kw):
     """A prefix written at once, then `steps` decode steps of Q = 8 speculative tokens per request."""
+    kw.setdefault("max_tokens", max(sum(prefix), 4096))  # the prefix is one insert
     layer = SparseLayer(hidden=hidden, sharding=sharding, seed=seed, device=device, **kw)
     d = torch.device(device)
     g = torch.Generator().manual_seed(seed + 1)
