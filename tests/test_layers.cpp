@@ -1,8 +1,10 @@
-// The layers of src/ (README "Layout"): which folder may include which.
+// The layers of src/ (README "Repository map", docs/architecture.md): which folder may include which.
 // core is backend-neutral and includes only the public headers and itself; the backends (cpu,
-// cuda) and the communicators build on core and never on each other; the tools (io, bench, cli)
-// sit on top. A new include across the layers fails this test (the build does not enforce it yet:
-// every folder compiles with src/ on its include path).
+// cuda) build on core and never on each other (cuda uses comm's rank barrier for its device
+// group); the tools (io, bench, cli) sit on top. A new include across the layers fails this test.
+// Not enforced by the build yet (every folder compiles with src/ on its include path), and only
+// includes are checked: cuda also calls the CPU backend's definitions of some public functions
+// (IndexCache, gather_unit_bytes) through the public headers.
 #include <gtest/gtest.h>
 
 #include <filesystem>

@@ -1,6 +1,6 @@
 // The meeting point of W ranks simulated as W threads of one process, shared by the host group
 // (InProcessGroup, src/comm/inprocess.cpp) and the device group (cuda::DeviceGroup,
-// src/cuda/api.cu). A collective is two meetings: `enter` publishes the rank's send pointer and
+// src/cuda/device_group.cu). A collective is two meetings: `enter` publishes the rank's send pointer and
 // byte count and waits for every rank, then every rank reads the others' buffers, then `leave`
 // waits again so that no rank reuses its send buffer while a peer still reads it.
 //

@@ -169,7 +169,7 @@ void reset_status(InsertStatus* status) {
   std::memset(static_cast<void*>(status), 0, sizeof(*status));  // zero-fill, as the device memset
 }
 
-// The messages are the synchronous calls' (src/cpu/cache.cpp, src/cuda/api.cu): one owner here.
+// The messages are the synchronous calls' (src/cpu/cache.cpp, src/cuda/insert_api.cu): one owner here.
 Error status_error(const InsertStatus& s) {
   const std::string t = std::to_string(s.token);
   switch (static_cast<InsertRefusal>(s.reason)) {

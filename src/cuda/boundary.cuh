@@ -1,6 +1,6 @@
 // Internal to the CUDA backend's host API: the checks at its boundary (device views, shapes, head
 // ranges, groups) and the copies the validating paths read back, shared by the files of each
-// operation (device.cu, device_cache.cu, insert.cu, decode.cu, prefill.cu, device_group.cu).
+// operation (device.cu, device_cache.cu, insert_api.cu, decode.cu, prefill.cu, device_group.cu).
 #pragma once
 
 #include <string>

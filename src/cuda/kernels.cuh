@@ -1,6 +1,6 @@
 // Internal launchers of the CUDA backend (scoring, selection, publish, merge, staging, insert).
 // Every launcher only enqueues work on the stream; none synchronizes. Arguments are assumed valid
-// (the public functions in api.cu validate them); kernels still never read outside the cache
+// (the public functions of decode.cu, prefill.cu and insert_api.cu validate them); kernels still never read outside the cache
 // (page ids outside [0, num_pages) are skipped).
 #pragma once
 
@@ -77,7 +77,7 @@ struct SelectLaunch {
   PageLayout layout;  ///< publish: validity of a block on `rank` (rows stored), with `filter`
   int32_t rank = 0;
   BlockFilter filter;
-  /// publish: when non-null, block 0 also writes the step signature (plan.hpp) there: `sig` with
+  /// publish: when non-null, one extra block, the grid's last, writes the step signature (plan.hpp) there: `sig` with
   /// v[8] = the hash of rows.seq_lens[0, num_requests) and v[9] = of rows.query_start[0,
   /// num_requests] (prefill; 0 for decode) computed on the device
   uint32_t* signature = nullptr;

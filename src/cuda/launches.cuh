@@ -1,4 +1,4 @@
-// The launch arguments of the scorer built in one place (api.cu's entry points, the plans of
+// The launch arguments of the scorer built in one place (the entry points of decode.cu and prefill.cu, the plans of
 // plan.cu and DecodeStep use them): the rows of a batch, where its keys come from, the scorer's
 // launch for a decode or prefill batch.
 #pragma once
