@@ -3,7 +3,8 @@
 
 Usage: scripts/check_links.py [REPO_ROOT]   (default: the folder above this script)
 
-Pages checked: README.md, CHANGELOG.md, bench/NOTES.md, data/README.md and every docs/**/*.md.
+Pages checked: README.md, CHANGELOG.md, bench/NOTES.md, bench/results/README.md, data/README.md and
+every docs/**/*.md.
 Every inline link or image `[text](path)`, `[text](path#anchor)`, `[text](#anchor)` and every
 reference definition `[label]: path` must name a file or folder inside the repository; an anchor
 into a markdown page must match one of its headings, slugged as GitHub does (lower case,
@@ -21,7 +22,7 @@ import re
 import sys
 from urllib.parse import unquote
 
-PAGES = ["README.md", "CHANGELOG.md", "bench/NOTES.md", "data/README.md"]
+PAGES = ["README.md", "CHANGELOG.md", "bench/NOTES.md", "bench/results/README.md", "data/README.md"]
 PAGE_TREES = ["docs"]
 
 FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})(.*)$")
