@@ -130,7 +130,8 @@ case "$mode" in
       step "the installed indexcp run on the installed data" "$work/run.log" \
         "$prefix/bin/indexcp" run --backend cpu --requests 1 --tokens 2048 --steps 1 --kv-dtype fp8 --page-size 128 \
         --tp 2 --sharding on
-      grep -q -F "loaded $data_dir/keys.npy" "$work/run.log" ||
+      # the command names the data by its own resolved path (/proc/self/exe): compare resolved paths
+      grep -q -F "loaded $(realpath "$data_dir")/keys.npy" "$work/run.log" ||
         fail "the installed indexcp did not load the installed data ($data_dir)" "$work/run.log"
     else
       say "no bin/indexcp installed (INDEXCP_BUILD_CLI=OFF): the command's install not checked"

@@ -17,9 +17,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <numeric>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -157,6 +159,7 @@ struct Request {
 
 // k_hat of one key as the cache dtype stores it (formats.md), from the format functions alone.
 inline void khat_of(KvDtype dt, KRounding mode, const float* key, double* out) {
+  if (dt != KvDtype::kNvfp4 && dt != KvDtype::kFp8) throw std::logic_error("the soak's reference knows nvfp4 and fp8 only");
   float k[kHeadDim];
   if (dt == KvDtype::kNvfp4) {
     uint8_t data[64], scales[8];
@@ -535,9 +538,14 @@ inline Result run(const Options& o, Backend& be) {
 /// The steps of a soak: INDEXCP_SOAK_STEPS when set (docs/testing.md: the long GPU run), else
 /// `default_steps`.
 inline int32_t steps_from_env(int32_t default_steps) {
-  if (const char* s = std::getenv("INDEXCP_SOAK_STEPS")) {
-    const long v = std::strtol(s, nullptr, 10);
-    if (v > 0 && v <= 100000000) return static_cast<int32_t>(v);
+  if (const char* s = std::getenv("INDEXCP_SOAK_STEPS"); s && *s) {
+    char* end = nullptr;
+    const long v = std::strtol(s, &end, 10);
+    if (end != s && *end == '\0' && v > 0 && v <= 100000000) {
+      if (v < 200) std::printf("soak: INDEXCP_SOAK_STEPS = %ld: below 200 steps the coverage checks are skipped\n", v);
+      return static_cast<int32_t>(v);
+    }
+    ADD_FAILURE() << "INDEXCP_SOAK_STEPS = \"" << s << "\" must be an integer in 1..100000000";
   }
   return default_steps;
 }

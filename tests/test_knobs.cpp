@@ -1,6 +1,9 @@
 // The knob table (src/core/knobs.cpp) is the one list of every INDEXCP_* environment variable and
 // -D build switch: the sources read nothing it lacks, it lists nothing they do not read, every
-// read goes through it, and docs/knobs.md is what `indexcp knobs --markdown` prints.
+// read goes through it, and docs/knobs.md is what `indexcp knobs --markdown` prints. What the
+// scan sees: getenv / knob_env / env_or_null in C++, $NAME and ${NAME...} in scripts, os.environ
+// reads in Python, option() / set(... CACHE) in CMake, #ifdef / #ifndef switches in src/cuda
+// (not `#if NAME`, which the sources use only for macros they define themselves).
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -36,15 +39,21 @@ std::map<std::pair<std::string, KnobKind>, std::string> knobs_in_sources() {
   const fs::path root = INDEXCP_SOURCE_DIR;
   std::map<std::pair<std::string, KnobKind>, std::string> found;
   const std::regex cxx_env(R"re((?:getenv|knob_env|knob_env_raw|env_or_null)\(\s*"((?:INDEXCP|BENCH)_[A-Z0-9_]+)")re");
-  const std::regex sh_env(R"re(\$\{(INDEXCP_[A-Z0-9_]+):?-)re");
-  const std::regex py_env(R"re((?:os\.environ\.get|os\.getenv|os\.environ\[|environ\.get)\(?\s*["'](INDEXCP_[A-Z0-9_]+)["'])re");
+  // every $NAME / ${NAME...} of ours in a script, except the script's own arrays (NAME=( ... ))
+  const std::regex sh_env(R"re(\$\{?((?:INDEXCP|BENCH)_[A-Z0-9_]+))re");
+  const std::regex py_env(
+      R"re((?:os\.environ\.get|os\.environ\.setdefault|os\.getenv|os\.environ\[|environ\.get)\(?\s*["'](INDEXCP_[A-Z0-9_]+)["']|["'](INDEXCP_[A-Z0-9_]+)["']\s+in\s+os\.environ)re");
   const std::regex cmake_opt(R"re(option\((INDEXCP_[A-Z0-9_]+))re");
   const std::regex cmake_cache(R"re(set\((INDEXCP_[A-Z0-9_]+)\s[^)]*\bCACHE\b)re");
   const std::regex macro(R"re(#\s*if(?:n?def)\s+(INDEXCP_[A-Z0-9_]+))re");
   auto scan = [&](const fs::path& file, const std::regex& re, KnobKind kind) {
     const std::string text = read_file(file);
-    for (std::sregex_iterator it(text.begin(), text.end(), re), end; it != end; ++it)
-      found.emplace(std::make_pair((*it)[1].str(), kind), fs::relative(file, root).string());
+    for (std::sregex_iterator it(text.begin(), text.end(), re), end; it != end; ++it) {
+      const std::string name = (*it)[1].matched ? (*it)[1].str() : (*it)[2].str();
+      if (&re == &sh_env && std::regex_search(text, std::regex("(^|\\n)\\s*" + name + "=\\(")))
+        continue;  // a script's own array, not the environment
+      found.emplace(std::make_pair(name, kind), fs::relative(file, root).string());
+    }
   };
   for (const char* dir : {"src", "include", "tests", "examples", "bench", "scripts", "tools", "fuzz", "cmake", "python", ".ci"}) {
     if (!fs::is_directory(root / dir)) continue;
@@ -98,11 +107,11 @@ TEST(Knobs, ReadsGoThroughTheTable) {
   ::unsetenv("INDEXCP_SOAK_STEPS");
   // no source reads an INDEXCP_ variable with a plain getenv outside the table's function and the
   // tests (library, command, benchmarks: src/)
-  const std::regex plain(R"re(std::getenv\(\s*"INDEXCP_)re");
+  const std::regex plain(R"re(getenv\(\s*"(INDEXCP|BENCH)_)re");
   for (const auto& e : fs::recursive_directory_iterator(fs::path(INDEXCP_SOURCE_DIR) / "src")) {
     if (!e.is_regular_file()) continue;
     const std::string text = read_file(e.path());
-    EXPECT_FALSE(std::regex_search(text, plain)) << e.path() << " reads an INDEXCP_ variable without knob_env";
+    EXPECT_FALSE(std::regex_search(text, plain)) << e.path() << " reads an INDEXCP_ / BENCH_ variable without knob_env";
   }
 }
 

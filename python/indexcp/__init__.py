@@ -27,7 +27,8 @@ from ._indexcp import (  # noqa: F401  (named for readers and linters)
 
 cuda = _indexcp.cuda
 
-__all__ = [n for n in dir(_indexcp) if not n.startswith("_")] + ["__version__"]
+# (indexcp.RuntimeError stays an attribute; `from indexcp import *` must not shadow the builtin)
+__all__ = [n for n in dir(_indexcp) if not n.startswith("_") and n != "RuntimeError"] + ["__version__"]
 
 
 def cuda_built() -> bool:
@@ -36,4 +37,7 @@ def cuda_built() -> bool:
 
 
 if "torch" in __import__("sys").modules:  # torch already imported: register torch.ops.indexcp.*
-    from . import ops  # noqa: F401,E402
+    try:
+        from . import ops  # noqa: F401,E402
+    except (ImportError, AttributeError):  # a torch without torch.library.custom_op: no ops, the rest works
+        pass

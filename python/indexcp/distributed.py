@@ -7,6 +7,8 @@ The replicated path exchanges nothing and runs the plan's ``run``."""
 import torch
 import torch.distributed as dist
 
+from . import _indexcp
+
 
 def decode(plan, cache, layer, q, block_table, seq_lens, workspace, send, recv, out, status=None, group=None):
     """One rank's decode step. plan: an indexcp.DecodePlan (CPU tensors) or indexcp.cuda.DecodePlan
@@ -18,7 +20,10 @@ def decode(plan, cache, layer, q, block_table, seq_lens, workspace, send, recv, 
         return
     world = dist.get_world_size(group)
     if world != plan.world:
-        raise ValueError(f"group has {world} ranks but the plan was made for world = {plan.world}")
+        raise _indexcp.InvalidArgumentError(f"group has {world} ranks but the plan was made for world = {plan.world}")
+    if dist.get_rank(group) != plan.rank:
+        raise _indexcp.InvalidArgumentError(
+            f"plan is rank {plan.rank}'s but this process is rank {dist.get_rank(group)} of the group")
     eb = plan.exchange_bytes
     send = send[:eb]
     recv = recv[: world * eb]

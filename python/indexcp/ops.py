@@ -27,6 +27,8 @@ Ops (docstrings of the functions they call give the shapes, dtypes and spec sect
   (the engine all-gathers ``send`` into ``recv`` with its own communicator in between).
 """
 
+import itertools
+import threading
 from typing import Optional
 
 import torch
@@ -34,38 +36,70 @@ import torch
 from . import _indexcp
 
 _LIB = "indexcp"
-_views = []  # handle -> (layout, num_pages, num_layers, rank, layer_stride)
-_plans = []  # handle -> DecodePlan (CPU or CUDA)
+# Handles: ints, so that torch.compile and graph capture see constants. View handles are even,
+# plan handles odd, so that swapping the two arguments of an op is an error, not another plan.
+_lock = threading.Lock()
+_views = {}  # even handle -> (layout, num_pages, num_layers, rank, layer_stride)
+_plans = {}  # odd handle -> DecodePlan / PrefillPlan (CPU or CUDA)
+_next = itertools.count(1)
+
+
+def _new_handle(table: dict, value, odd: bool) -> int:
+    with _lock:
+        while True:
+            h = next(_next)
+            if (h % 2 == 1) == odd and h not in table:
+                table[h] = value
+                return h
 
 
 def cache_handle(view) -> int:
-    """A handle for the geometry of a cache view (built with make_cache_view over a tensor)."""
-    _views.append((view.layout, view.num_pages, view.num_layers, view.rank, view.layer_stride))
-    return len(_views) - 1
+    """A handle for the geometry of a cache view built with make_cache_view over one tensor (a
+    per-layer view, make_cache_view_layers, is refused: an op takes one cache tensor)."""
+    if isinstance(view.array, (list, tuple)):
+        raise _indexcp.InvalidArgumentError(
+            "view: a per-layer view (make_cache_view_layers) cannot be used by the torch ops, which take one "
+            "cache tensor; build the view with make_cache_view")
+    return _new_handle(_views, (view.layout, view.num_pages, view.num_layers, view.rank, view.layer_stride),
+                       odd=False)
 
 
 def decode_plan(config, rank: int, limits, device="cpu") -> int:
     """A DecodePlan of the backend of `device` ("cpu" or a CUDA device); returns its handle.
-    ``plan(handle)`` gives the plan (workspace_bytes, num_heads, exchange_bytes)."""
+    ``plan(handle)`` gives the plan (workspace_bytes, num_heads, exchange_bytes); ``release(handle)``
+    frees it."""
     cuda = torch.device(device).type == "cuda"
-    plan = (_indexcp.cuda.DecodePlan if cuda else _indexcp.DecodePlan)(config, rank, limits)
-    _plans.append(plan)
-    return len(_plans) - 1
+    return _new_handle(_plans, (_indexcp.cuda.DecodePlan if cuda else _indexcp.DecodePlan)(config, rank, limits),
+                       odd=True)
 
 
 def prefill_plan(config, rank: int, limits, device="cpu") -> int:
     """A PrefillPlan of the backend of `device`; returns its handle (``plan(handle)`` gives it)."""
     cuda = torch.device(device).type == "cuda"
-    _plans.append((_indexcp.cuda.PrefillPlan if cuda else _indexcp.PrefillPlan)(config, rank, limits))
-    return len(_plans) - 1
+    return _new_handle(_plans, (_indexcp.cuda.PrefillPlan if cuda else _indexcp.PrefillPlan)(config, rank, limits),
+                       odd=True)
+
+
+def _lookup(table: dict, handle: int, what: str):
+    try:
+        return table[handle]
+    except KeyError:
+        raise _indexcp.InvalidArgumentError(f"{what} = {handle} is not a live {what} handle") from None
 
 
 def plan(handle: int):
-    return _plans[handle]
+    return _lookup(_plans, handle, "plan")
+
+
+def release(handle: int) -> None:
+    """Forgets a view or plan handle (the plan is freed once nothing else holds it)."""
+    with _lock:
+        if _views.pop(handle, None) is None and _plans.pop(handle, None) is None:
+            raise _indexcp.InvalidArgumentError(f"handle = {handle} is not a live handle")
 
 
 def _view(handle: int, cache: torch.Tensor):
-    layout, num_pages, num_layers, rank, layer_stride = _views[handle]
+    layout, num_pages, num_layers, rank, layer_stride = _lookup(_views, handle, "handle")
     return _indexcp.make_cache_view(layout, cache, num_pages, num_layers, rank, layer_stride)
 
 
@@ -77,7 +111,7 @@ def _stream(t: torch.Tensor) -> dict:
     return {"stream": torch.cuda.current_stream(t.device).cuda_stream} if t.is_cuda else {}
 
 
-@torch.library.custom_op(f"{_LIB}::insert_keys_", mutates_args=("cache", "status"))
+@torch.library.custom_op(f"{_LIB}::insert_keys_", mutates_args=("cache", "status", "workspace"))
 def insert_keys_(cache: torch.Tensor, keys: torch.Tensor, slot_mapping: torch.Tensor, status: torch.Tensor,
                  workspace: Optional[torch.Tensor], handle: int, layer: int, encode_scale: float = 1.0) -> None:
     """insert_keys_async into the cache tensor of `handle`'s geometry (keys fp32 or bf16
@@ -97,7 +131,7 @@ def decode_run_(plan: int, handle: int, cache: torch.Tensor, layer: int, q: torc
                 seq_lens: torch.Tensor, workspace: torch.Tensor, out: torch.Tensor,
                 status: Optional[torch.Tensor]) -> None:
     """DecodePlan.run of plan `plan` over the cache tensor of geometry `handle`."""
-    _plans[plan].run(_view(handle, cache), layer, q, block_table, seq_lens, workspace, out, None, status,
+    _lookup(_plans, plan, "plan").run(_view(handle, cache), layer, q, block_table, seq_lens, workspace, out, None, status,
                      **_stream(cache))
 
 
@@ -108,7 +142,7 @@ def prefill_run_(plan: int, handle: int, cache: torch.Tensor, layer: int, q: tor
                  status: Optional[torch.Tensor]) -> None:
     """PrefillPlan.run of plan `plan` with PrefillExtents(rows, max_rows_per_request, gather_units)."""
     ext = _indexcp.PrefillExtents(rows, max_rows_per_request, gather_units)
-    _plans[plan].run(_view(handle, cache), layer, q, block_table, seq_lens, query_start, ext, workspace, out, None,
+    _lookup(_plans, plan, "plan").run(_view(handle, cache), layer, q, block_table, seq_lens, query_start, ext, workspace, out, None,
                      status, **_stream(cache))
 
 
@@ -117,14 +151,14 @@ def decode_publish_(plan: int, handle: int, cache: torch.Tensor, layer: int, q: 
                     block_table: torch.Tensor, seq_lens: torch.Tensor, workspace: torch.Tensor,
                     send: torch.Tensor) -> None:
     """DecodePlan.publish: this rank's exchange record into send (uint8 [exchange_bytes])."""
-    _plans[plan].publish(_view(handle, cache), layer, q, block_table, seq_lens, workspace, send, **_stream(cache))
+    _lookup(_plans, plan, "plan").publish(_view(handle, cache), layer, q, block_table, seq_lens, workspace, send, **_stream(cache))
 
 
 @torch.library.custom_op(f"{_LIB}::decode_merge_", mutates_args=("out", "status"))
 def decode_merge_(plan: int, q: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                   recv: torch.Tensor, out: torch.Tensor, status: Optional[torch.Tensor]) -> None:
     """DecodePlan.merge: every rank's record (recv uint8 [world * exchange_bytes]) -> out, status."""
-    _plans[plan].merge(q, block_table, seq_lens, recv, out, status, **_stream(q))
+    _lookup(_plans, plan, "plan").merge(q, block_table, seq_lens, recv, out, status, **_stream(q))
 
 
 # The fake implementations: the ops only write their declared outputs in place.

@@ -12,6 +12,17 @@
 
 namespace indexcp::py {
 
+/// The CUDA plans' run exchanges through a device communicator (NCCL, cuda::DeviceGroup) whose
+/// collectives enqueue on the stream; the only Communicator Python can make is the host
+/// InProcessGroup's, whose all_gather is a host memcpy: given device pointers it would crash. So
+/// a CUDA run takes no comm (the replicated path); the exchanging paths use publish, the engine's
+/// all-gather and merge (or indexcp.distributed.decode).
+inline void refuse_host_comm(const Communicator* comm) {
+  if (comm != nullptr)
+    invalid("comm: the CUDA plans exchange through a device communicator, and Python has only the host "
+            "InProcessGroup's; pass comm=None and use publish / all-gather / merge (indexcp.distributed.decode)");
+}
+
 using namespace nb::literals;
 
 /// Optional arrays of an insert / Q cast's pre-processing (cache.hpp KeyPreprocess).
@@ -182,7 +193,8 @@ nb::class_<Plan> bind_decode_plan(nb::module_& m, Where w, const char* backend) 
                        .c_str())
       .def(nb::init<const ResolvedConfig&, int32_t, const DecodeLimits&>(), "config"_a, "rank"_a, "limits"_a)
       .def_prop_ro("path", &Plan::path)
-      .def_prop_ro("limits", &Plan::limits)
+      .def_prop_ro("limits", [](const Plan& p) { return p.limits(); },
+                   "A copy of the plan's limits (changing it does not change the plan).")
       .def_prop_ro("world", &Plan::world)
       .def_prop_ro("rank", &Plan::rank)
       .def_prop_ro("head_begin", &Plan::head_begin)
@@ -205,6 +217,7 @@ nb::class_<Plan> bind_decode_plan(nb::module_& m, Where w, const char* backend) 
              size_t wsb = 0;
              void* ws = workspace_ptr(workspace, p.workspace_bytes(), &wsb, w);
              if constexpr (kCuda) {
+               refuse_host_comm(comm);
                auto* s = static_cast<CUstream_st*>(stream_of(stream));
                nb::gil_scoped_release nogil;
                p.run(v, layer, b, ws, wsb, o, comm, st, s);
@@ -275,7 +288,8 @@ void bind_prefill_plan(nb::module_& m, Where w, const char* backend) {
                        .c_str())
       .def(nb::init<const ResolvedConfig&, int32_t, const PrefillLimits&>(), "config"_a, "rank"_a, "limits"_a)
       .def_prop_ro("path", &Plan::path)
-      .def_prop_ro("limits", &Plan::limits)
+      .def_prop_ro("limits", [](const Plan& p) { return p.limits(); },
+                   "A copy of the plan's limits (changing it does not change the plan).")
       .def_prop_ro("world", &Plan::world)
       .def_prop_ro("rank", &Plan::rank)
       .def_prop_ro("head_begin", &Plan::head_begin)
@@ -311,6 +325,7 @@ void bind_prefill_plan(nb::module_& m, Where w, const char* backend) {
              b.query_start = static_cast<const int32_t*>(query_start.data());
              b.num_requests = static_cast<int32_t>(r);
              if constexpr (kCuda) {
+               refuse_host_comm(comm);
                auto* s = static_cast<CUstream_st*>(stream_of(stream));
                nb::gil_scoped_release nogil;
                p.run(v, layer, b, extents, ws, wsb, o, comm, st, s);

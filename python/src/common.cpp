@@ -145,6 +145,14 @@ int64_t check_buffer(const ArrInfo& a, const char* name, int64_t min_bytes, int6
 
 const CacheView& view_at(const PyCacheView& c, Where where) {
   check_cache_view(c.view, where, "cache");
+#if INDEXCP_CUDA_BACKEND
+  if (where == Where::kDevice) {
+    int dev = -1;
+    if (cudaGetDevice(&dev) == cudaSuccess && dev != c.device_id)
+      invalid("cache is on cuda:" + std::to_string(c.device_id) + " but the current device is cuda:" +
+              std::to_string(dev) + " (every array of a call must be memory of the current device)");
+  }
+#endif
   return c.view;
 }
 

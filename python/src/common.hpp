@@ -88,9 +88,18 @@ std::string describe(const ArrInfo& a);
 /// into, kept alive by the Python object.
 struct PyCacheView {
   CacheView view;
-  nb::object owner;             ///< the array(s) holding the bytes
-  std::vector<uint8_t*> ptrs;   ///< per-layer pointers (make_cache_view_layers), else empty
+  nb::object owner;             ///< the object(s) the caller passed
+  std::vector<Out> arrays;      ///< the imported arrays themselves: they own a DLPack capsule's memory
+  std::vector<uint8_t*> ptrs;   ///< per-layer pointers (make_cache_view_layers), else empty; view points into it
   int64_t required_bytes = 0;   ///< bytes the view spans from its base (the packed form)
+  int device_id = -1;           ///< the CUDA device of the bytes (-1: host)
+
+  PyCacheView() = default;
+  // view holds ptrs.data() (make_cache_view_layers): a copy would point into the original's vector
+  PyCacheView(const PyCacheView&) = delete;
+  PyCacheView& operator=(const PyCacheView&) = delete;
+  PyCacheView(PyCacheView&&) noexcept = default;
+  PyCacheView& operator=(PyCacheView&&) noexcept = default;
 };
 
 /// The cache argument of a call: a PyCacheView of the expected location (Error naming `cache`).

@@ -195,8 +195,8 @@ NB_MODULE(_indexcp, m) {
       .def_rw("kv_connector", &EngineParams::kv_connector);
 
   nb::class_<ResolvedConfig>(m, "ResolvedConfig", "The configuration as resolved by the policy (config.hpp, spec/config.md 2).")
-      .def_ro("requested", &ResolvedConfig::requested)
-      .def_ro("engine", &ResolvedConfig::engine)
+      .def_ro("requested", &ResolvedConfig::requested, nb::rv_policy::copy)
+      .def_ro("engine", &ResolvedConfig::engine, nb::rv_policy::copy)
       .def_ro("kv_dtype", &ResolvedConfig::kv_dtype)
       .def_ro("sharding", &ResolvedConfig::sharding)
       .def_ro("shards", &ResolvedConfig::shards)
@@ -297,7 +297,9 @@ NB_MODULE(_indexcp, m) {
                     std::to_string(num_pages) + ", num_layers = " + std::to_string(num_layers) +
                     ", layer_stride = " + std::to_string(c.view.layer_stride()) + " of this layout spans " +
                     std::to_string(c.required_bytes) + " (view_bytes)");
-          c.owner = cache_obj;  // the caller's object itself keeps the bytes alive
+          c.owner = cache_obj;
+          c.arrays.push_back(cache);  // owns the memory of a raw DLPack capsule (the caller's object does not)
+          c.device_id = where == Where::kDevice ? a.device_id : -1;
           return c;
         },
         "layout"_a, "cache"_a, "num_pages"_a, "num_layers"_a = 1, "rank"_a = 0, "layer_stride"_a = 0,
@@ -333,6 +335,12 @@ NB_MODULE(_indexcp, m) {
                       std::to_string(c.view.layer_bytes()) + " (cache_layer_bytes)");
           c.required_bytes = c.view.layer_bytes();
           c.owner = nb::list(layer_objs);
+          c.device_id = where == Where::kDevice ? info(layers[0]).device_id : -1;
+          for (size_t l = 1; l < layers.size(); ++l)
+            if (where == Where::kDevice && info(layers[l]).device_id != c.device_id)
+              invalid("layers[" + std::to_string(l) + "] is on cuda:" + std::to_string(info(layers[l]).device_id) +
+                      " but layers[0] is on cuda:" + std::to_string(c.device_id));
+          c.arrays = std::move(layers);
           return c;
         },
         "layout"_a, "layers"_a, "num_pages"_a, "rank"_a = 0,
@@ -360,14 +368,14 @@ NB_MODULE(_indexcp, m) {
       .def_ro("index_bytes_per_token", &CapacityResult::index_bytes_per_token)
       .def_ro("tokens", &CapacityResult::tokens);
   nb::class_<CapacityReport>(m, "CapacityReport")
-      .def_ro("model", &CapacityReport::model)
+      .def_ro("model", &CapacityReport::model, nb::rv_policy::copy)
       .def_ro("budget_bytes", &CapacityReport::budget_bytes)
       .def_ro("kv_dtype", &CapacityReport::kv_dtype)
       .def_ro("index_dtype", &CapacityReport::index_dtype)
       .def_ro("tp", &CapacityReport::tp)
       .def_ro("page_size", &CapacityReport::page_size)
-      .def_ro("off", &CapacityReport::off)
-      .def_ro("on", &CapacityReport::on)
+      .def_ro("off", &CapacityReport::off, nb::rv_policy::copy)
+      .def_ro("on", &CapacityReport::on, nb::rv_policy::copy)
       .def_prop_ro("ratio", &CapacityReport::ratio)
       .def("to_json", &CapacityReport::to_json);
   m.def("plan_capacity", &plan_capacity, "model"_a, "budget_bytes"_a, "kv_dtype"_a, "index_dtype"_a, "tp"_a,

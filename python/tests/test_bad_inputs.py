@@ -209,7 +209,7 @@ def test_quantize_queries_refusals():
     out = np.full((2, 4, 128), 0xAB, np.uint8)
     q[1, 2, 7] = np.nan
     msg = bad(IA, "q", lambda: indexcp.quantize_queries(q, out))
-    assert "head 2" in msg or "2" in msg
+    assert "token 1" in msg and "head 2" in msg and "dim 7" in msg, msg
     assert (out == 0xAB).all()
     bad(IA, "out", lambda: indexcp.quantize_queries(np.ones((2, 4, 128), np.float32), np.zeros((2, 4, 128), np.int8)))
     bad(IA, "q", lambda: indexcp.quantize_queries(np.ones((2, 4, 64), np.float32), out))
@@ -273,3 +273,33 @@ def test_error_classes():
     for c in (indexcp.InvalidArgumentError, indexcp.UnsupportedError, indexcp.RuntimeError, indexcp.IoError):
         assert issubclass(c, indexcp.Error)
     assert indexcp.InvalidArgumentError.code == "kInvalidArgument"
+
+
+def test_plan_limits_and_config_fields_are_copies():
+    """Changing what a property returns must not change the plan (its buffers are sized once)."""
+    rc = indexcp.resolve_config(indexcp.AttentionConfig.from_json('{"indexer_cache_sharding": "on"}'),
+                                indexcp.EngineParams(tp=2, heads=4, query_len=1))
+    plan = indexcp.DecodePlan(rc, 0, indexcp.DecodeLimits(max_requests=2, max_pages=4, query_len=1, heads=4))
+    lim = plan.limits
+    lim.max_requests = 64
+    lim.sel.topk = 32
+    assert plan.limits.max_requests == 2 and plan.limits.sel.topk == 16
+    eng = rc.engine
+    eng.tp = 8
+    assert rc.engine.tp == 2
+
+
+def test_a_view_over_a_raw_dlpack_capsule_keeps_its_memory(cache):
+    layout, _, _ = cache
+    arr = np.zeros(indexcp.view_bytes(layout, PAGES), np.uint8)
+    view = indexcp.make_cache_view(layout, arr.__dlpack__(), PAGES)
+    base = arr.__array_interface__["data"][0]
+    del arr  # only the view holds the memory now
+    import gc
+    gc.collect()
+    filler = [np.full(indexcp.view_bytes(layout, PAGES), 0x5A, np.uint8) for _ in range(4)]  # reuse freed memory
+    indexcp.insert_keys(view, 0, keys(1), slots(3))
+    want = indexcp.quantize_key_bytes(indexcp.KvDtype.nvfp4, keys(1)[0])
+    got = indexcp.read_row_bytes(view, 0, 0, 3)
+    assert bytes(got) == bytes(want)
+    assert all(f[0] == 0x5A for f in filler) and base != 0

@@ -217,10 +217,13 @@ def test_torch_ops_on_cuda_eager_compiled_and_graph():
             with torch.cuda.stream(s):
                 step(*args)
             torch.cuda.current_stream().wait_stream(s)
-            gt.zero_()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
                 step(*args)
+            # what the warm-up and the capture wrote is cleared: only the replay can fill them
+            gt.zero_()
+            q8.fill_(0x55)
+            out.fill_(-9)
             g.replay()
         torch.cuda.synchronize()
         indexcp.cuda.throw_if_refused(st)
@@ -228,3 +231,17 @@ def test_torch_ops_on_cuda_eager_compiled_and_graph():
     for r in results[1:]:
         for a, b in zip(results[0], r):
             assert torch.equal(a, b)
+
+
+def test_cuda_plans_refuse_a_host_communicator():
+    """InProcessGroup's all_gather is a host memcpy: a CUDA plan must not hand it device pointers."""
+    keys, slots, q32, bt, seq = batch()
+    q8 = torch.zeros(q32.shape, dtype=torch.uint8)
+    indexcp.quantize_queries(q32, q8)
+    t, v = caches(W=2, rank=0)
+    p = indexcp.cuda.DecodePlan(resolved(2, True), 0, limits(bt))
+    ws = torch.zeros(p.workspace_bytes, dtype=torch.uint8, device="cuda")
+    out = torch.zeros(bt.shape[0] * Q, p.num_heads, K, dtype=torch.int32, device="cuda")
+    group = indexcp.InProcessGroup(2)
+    with pytest.raises(indexcp.InvalidArgumentError, match="comm"):
+        p.run(v, 1, q8.cuda(), bt.cuda(), seq.cuda(), ws, out, group.comm(0))

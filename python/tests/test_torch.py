@@ -265,3 +265,31 @@ def test_prefill_op_eager_equals_compiled_and_prefill_select():
     indexcp.prefill_select(view, 0, q8, bt, seq, query_start, 0, H, indexcp.SelectionParams(topk=K), sync)
     assert torch.equal(outs[0], outs[1])
     np.testing.assert_array_equal(outs[0].numpy(), sync)
+
+
+def test_op_handles_are_checked_and_released():
+    layout = indexcp.make_page_layout(indexcp.KvDtype.nvfp4, 128, 1)
+    t = torch.zeros(indexcp.view_bytes(layout, 4), dtype=torch.uint8)
+    view = indexcp.make_cache_view(layout, t, 4)
+    handle = indexcp.ops.cache_handle(view)
+    rc = indexcp.resolve_config(indexcp.AttentionConfig.from_json('{"indexer_kv_dtype": "nvfp4"}'),
+                                indexcp.EngineParams(tp=1, heads=4, query_len=1))
+    plan = indexcp.ops.decode_plan(rc, 0, indexcp.DecodeLimits(max_requests=1, max_pages=4, query_len=1, heads=4))
+    assert handle % 2 == 0 and plan % 2 == 1  # view and plan handles never coincide
+    q = torch.zeros(1, 4, 128, dtype=torch.uint8)
+    bt = torch.zeros(1, 4, dtype=torch.int32)
+    seq = torch.ones(1, dtype=torch.int32)
+    ws = torch.zeros(16, dtype=torch.uint8)
+    out = torch.zeros(1, 4, 16, dtype=torch.int32)
+    with pytest.raises(indexcp.InvalidArgumentError, match="plan"):  # the two handles swapped
+        torch.ops.indexcp.decode_run_(handle, plan, t, 0, q, bt, seq, ws, out, None)
+    torch.ops.indexcp.decode_run_(plan, handle, t, 0, q, bt, seq, ws, out, None)
+    assert out[0, 0, 0].item() == 0 and out[0, 0, 1].item() == -1  # one visible block: itself
+    indexcp.ops.release(plan)
+    with pytest.raises(indexcp.InvalidArgumentError, match="plan"):
+        indexcp.ops.plan(plan)
+    with pytest.raises(indexcp.InvalidArgumentError, match="handle"):
+        indexcp.ops.release(plan)
+    per_layer = indexcp.make_cache_view_layers(layout, [torch.zeros(indexcp.view_bytes(layout, 4), dtype=torch.uint8)], 4)
+    with pytest.raises(indexcp.InvalidArgumentError, match="per-layer"):
+        indexcp.ops.cache_handle(per_layer)

@@ -55,7 +55,11 @@ const std::vector<Knob>& knob_table() {
        "the commit stored in the JSON records of indexcp run and indexcp bench (and compared by the CLI test); "
        "unset: the records say \"unknown\" unless --git-rev is given."},
       {"BENCH_NO_SHUFFLE", K::kEnv, "", "benchmarks",
-       "set: the benchmarks' page pool is laid out in order instead of shuffled (an experiment knob)."},
+       "set to a non-empty value: the benchmarks' page pool is laid out in order instead of shuffled (an "
+       "experiment knob)."},
+      {"BENCH_ARGS", K::kEnv, "", "scripts",
+       "extra arguments bench/cuda/device_check.sh passes to every indexcp bench command."},
+      {"BENCH_TIMEOUT", K::kEnv, "300", "scripts", "seconds bench/cuda/device_check.sh allows each benchmark command."},
       // ---- tests and scripts
       {"INDEXCP_SHARED_DIR", K::kEnv, "the build's INDEXCP_SHARED_DIR", "tests, scripts",
        "the folder holding vectors/nvfp4_blocks.json that the tests read; scripts/common.sh passes it to CMake."},
