@@ -193,3 +193,28 @@ def select(scores_h, pos, K, init=0):
     chosen = [b for _, b in cand[: K - 1 - init]] + list(range(init)) + [local]
     out[:] = np.sort(np.array(chosen, np.int32))
     return out
+
+
+def preprocess(x, w=None, eps=1e-6, positions=None, theta=5e6):
+    """indexer.md section 6, written from the spec: Gemma-style RMSNorm (ms = the fp32 sum of x_d^2
+    in order d = 0..127, / 128; r = 1 / sqrt(ms + eps); y = (x * r) * (1 + w)) and then NeoX RoPE
+    on the first 64 dims (pairs (d, d + 32), cos / sin in double rounded to fp32), every operation
+    a separately rounded fp32 one. x: float32 [n, 128] (one vector per row); positions [n] or None."""
+    f = np.float32
+    y = np.array(x, dtype=f, copy=True)
+    if w is not None:
+        ss = np.zeros(y.shape[0], f)
+        for d in range(128):
+            ss = (ss + (y[:, d] * y[:, d]).astype(f)).astype(f)
+        ms = (ss / f(128.0)).astype(f)
+        r = (f(1.0) / np.sqrt((ms + f(eps)).astype(f))).astype(f)
+        one_w = (f(1.0) + np.asarray(w, f)).astype(f)
+        y = ((y * r[:, None]).astype(f) * one_w[None, :]).astype(f)
+    if positions is not None:
+        inv = np.array([theta ** (-2.0 * k / 64.0) for k in range(32)], np.float64)
+        ang = np.asarray(positions, np.float64)[:, None] * inv[None, :]
+        c, s = np.cos(ang).astype(f), np.sin(ang).astype(f)
+        lo, hi = y[:, :32].copy(), y[:, 32:64].copy()
+        y[:, :32] = ((lo * c).astype(f) - (hi * s).astype(f)).astype(f)
+        y[:, 32:64] = ((hi * c).astype(f) + (lo * s).astype(f)).astype(f)
+    return y

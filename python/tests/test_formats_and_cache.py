@@ -181,3 +181,34 @@ def test_view_is_zero_copy_and_per_layer_views():
     assert not layers[0].any()
     np.testing.assert_array_equal(layers[1][128 * 128 + 128: 128 * 128 + 256], ref.e4m3_encode(key[0]))
     assert view.array is not None and view.num_layers == 2
+
+
+@pytest.mark.parametrize("norm,rope", [(True, False), (False, True), (True, True)])
+def test_rmsnorm_and_rope_match_the_reference(norm, rope):
+    """Insert and Q cast with RMSNorm and / or RoPE write the bytes of spec_ref.preprocess (an
+    independent numpy formulation of indexer.md section 6) quantized by the reference."""
+    rng = np.random.default_rng(11)
+    n, theta = 40, 1e4
+    keys = (rng.standard_normal((n, 128)) * 3).astype(np.float32)
+    w = (rng.standard_normal(128) * 0.2).astype(np.float32) if norm else None
+    pos = rng.integers(0, 100000, n).astype(np.int64) if rope else None
+    extra = {}
+    if norm:
+        extra["norm_weight"] = w
+    if rope:
+        extra.update(rope=True, rope_theta=theta, positions=pos)
+    want = ref.preprocess(keys, w, 1e-6, pos, theta)
+    for dtype in ("fp8", "nvfp4"):
+        _, buf, view = make_cache(dtype, 128, 1, 1, 1, 0)
+        indexcp.insert_keys(view, 0, keys, np.arange(n, dtype=np.int64), **extra)
+        for t in range(n):
+            got = np.frombuffer(indexcp.read_row_bytes(view, 0, 0, t), np.uint8)
+            np.testing.assert_array_equal(got, ref.key_row_bytes(dtype, want[t]), err_msg=f"{dtype} token {t}")
+    # the Q cast: every head of a token takes the token's position
+    H = 4
+    q = (rng.standard_normal((n, H, 128)) * 3).astype(np.float32)
+    out = np.zeros((n, H, 128), np.uint8)
+    indexcp.quantize_queries(q, out, **extra)
+    qpos = None if pos is None else np.repeat(pos, H)
+    want_q = ref.preprocess(q.reshape(n * H, 128), w, 1e-6, qpos, theta).reshape(n, H, 128)
+    np.testing.assert_array_equal(out, ref.e4m3_encode(want_q))
