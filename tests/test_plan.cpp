@@ -27,15 +27,6 @@ using namespace testutil;
       EXPECT_NE(msg_.find(s_), std::string::npos) << "expected \"" << s_ << "\" in: " << msg_; \
   } while (0)
 
-// Host memory, 16-byte aligned, filled with a sentinel byte.
-struct Buffer {
-  std::vector<uint8_t> raw;
-  uint8_t* p = nullptr;
-  size_t size = 0;
-  explicit Buffer(size_t n, uint8_t fill = 0xCD) : raw(n + 16, fill), size(n) {
-    p = raw.data() + (16 - reinterpret_cast<uintptr_t>(raw.data()) % 16) % 16;
-  }
-};
 
 ResolvedConfig make_config(KvDtype dt, int32_t tp, int32_t P, bool sharding, bool decode_cp,
                            KRounding mode = KRounding::kE4m3, PrefillCp pcp = PrefillCp::kGather,

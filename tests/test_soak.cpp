@@ -15,6 +15,7 @@
 #include "indexcp/comm.hpp"
 #include "indexcp/plan.hpp"
 #include "soak.hpp"
+#include "util.hpp"
 
 // ---- the allocation counter: live bytes of every operator new of this process ------------------
 namespace {
@@ -74,15 +75,6 @@ namespace {
 
 using namespace indexcp;
 
-struct HostBuffer {
-  std::vector<uint8_t> raw;
-  void* p = nullptr;
-  size_t size = 0;
-  explicit HostBuffer(size_t n) : raw(n + 16), size(n) {
-    p = raw.data() + (16 - reinterpret_cast<uintptr_t>(raw.data()) % 16) % 16;
-  }
-};
-
 class CpuBackend : public soak::Backend {
  public:
   explicit CpuBackend(const soak::Options& o) : o_(o), rc_(o.config()), W_(o.tp) {
@@ -94,8 +86,8 @@ class CpuBackend : public soak::Backend {
     for (int32_t r = 0; r < W_; ++r) {
       dplans_.emplace_back(rc_, r, dl);
       pplans_.emplace_back(rc_, r, pl);
-      dws_.emplace_back(dplans_.back().workspace_bytes());
-      pws_.emplace_back(pplans_.back().workspace_bytes());
+      dws_.emplace_back(dplans_.back().workspace_bytes(), 0);
+      pws_.emplace_back(pplans_.back().workspace_bytes(), 0);
       dout_.emplace_back(static_cast<size_t>(dl.max_rows()) * dplans_.back().num_heads() * dl.sel.topk);
       pout_.emplace_back(static_cast<size_t>(pl.max_rows) * pplans_.back().num_heads() * pl.sel.topk);
     }
@@ -177,7 +169,7 @@ class CpuBackend : public soak::Backend {
   std::vector<IndexCache> caches_;
   std::vector<DecodePlan> dplans_;
   std::vector<PrefillPlan> pplans_;
-  std::vector<HostBuffer> dws_, pws_;
+  std::vector<testutil::Buffer> dws_, pws_;
   std::vector<std::vector<int32_t>> dout_, pout_;
   std::vector<uint32_t> status_ = std::vector<uint32_t>(64);
   std::vector<uint8_t> snapshot_;

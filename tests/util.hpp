@@ -33,6 +33,16 @@ inline std::string error_of(const std::function<void()>& fn) {
 
 using namespace indexcp;
 
+/// Host memory with a 16-byte aligned start (the plans' workspace alignment), filled with `fill`.
+struct Buffer {
+  std::vector<uint8_t> raw;
+  uint8_t* p = nullptr;
+  size_t size = 0;
+  explicit Buffer(size_t n, uint8_t fill = 0xCD) : raw(n + 16, fill), size(n) {
+    p = raw.data() + (16 - reinterpret_cast<uintptr_t>(raw.data()) % 16) % 16;
+  }
+};
+
 /// Requests laid into scattered physical pages: block table [B, max_pages], seq_lens, slots.
 struct Requests {
   int32_t page_size = 128;
