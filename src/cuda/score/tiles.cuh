@@ -1,0 +1,323 @@
+// The scorer's tiles: NVFP4 / FP8 key expansion to fp16 MMA fragments (the fixed k order of every
+// scorer of this backend), the query fragments, one tile's dot products with mma.sync or wgmma and
+// the per-block maximum; the fix-up of negative NVFP4 scale bytes. Private to score.cu
+// (src/cuda/score.cu has the overview).
+#pragma once
+
+#include <cuda_fp16.h>
+
+#include "../common.cuh"
+#include "../kernels.cuh"
+#include "ptx.cuh"
+#include "schedule.cuh"
+
+namespace indexcp::cuda::detail {
+
+// Internal linkage on purpose: this header is part of score.cu's one translation unit.
+namespace {
+
+// ---- key expansion ----------------------------------------------------------------------------
+// The k order of the MMA: in k-step s (0..7) the thread of quad lane t4 holds dims 32*t4 + 4s +
+// {0, 2} (A regs a0a1 / B regs b0b1) and 32*t4 + 4s + {1, 3} (a4a5 / b2b3). One 32-bit word of
+// 8 NVFP4 codes (dims 8j..8j+7 of the thread's 32) feeds k-steps 2j and 2j+1:
+//   h[0] = (c0, c2), h[1] = (c1, c3)  -> k-step 2j;   h[2] = (c4, c6), h[3] = (c5, c7) -> 2j+1.
+// fp16 bits of an E4M3 value x 2^-8: sign << 15 | magnitude byte << 7 (exact, subnormals too).
+
+// NVFP4, E4M3 rounding: |k| bytes from the per-scale table, signs by sign-replicating the byte
+// of w (or w << 4) whose top bit is the code's sign bit.
+__device__ __forceinline__ void expand_e4m3(uint32_t w, uint2 lut, uint32_t* h) {
+  const uint32_t m = w & 0x77777777u;
+  const uint32_t plo = prmt(lut.x, lut.y, m);        // [M0 M1 M2 M3]
+  const uint32_t phi = prmt(lut.x, lut.y, __umulhi(m, 1u << 16));  // [M4 M5 M6 M7]; m >> 16 on the FMA pipe
+  const uint32_t w4 = w << 4;
+  h[0] = (prmt(plo, w4, 0xD2C0u) << 7) & 0xFF80FF80u;  // [M0, s0 x8, M2, s2 x8]
+  h[1] = (prmt(plo, w, 0xD3C1u) << 7) & 0xFF80FF80u;   // [M1, s1, M3, s3]
+  h[2] = (prmt(phi, w4, 0xF2E0u) << 7) & 0xFF80FF80u;  // [M4, s4, M6, s6]
+  h[3] = (prmt(phi, w, 0xF3E1u) << 7) & 0xFF80FF80u;   // [M5, s5, M7, s7]
+}
+
+// NVFP4, exact rounding: fp16 |e2m1| from a fixed table, sign, times the scale (exact).
+__device__ __forceinline__ void expand_exact(uint32_t w, __half2 sc2, uint32_t* h) {
+  constexpr uint32_t E0 = 0x3E3C3800u, E1 = 0x46444240u;  // fp16 high bytes of |e2m1| 0..7
+  const uint32_t m = w & 0x77777777u;
+  const uint32_t plo = prmt(E0, E1, m), phi = prmt(E0, E1, m >> 16);
+  const uint32_t w4 = w << 4;
+  // magnitudes into the high byte of each half (low byte: sign-replicate of a byte < 0x80 = 0)
+  const uint32_t x0 = prmt(plo, 0u, 0x2808u), x1 = prmt(plo, 0u, 0x3818u);
+  const uint32_t x2 = prmt(phi, 0u, 0x2808u), x3 = prmt(phi, 0u, 0x3818u);
+  const uint32_t s0 = prmt(w4, 0u, 0x9888u) & 0x80008000u;  // [_, s0, _, s2] (bytes 0/1 of w4)
+  const uint32_t s1 = prmt(w, 0u, 0x9888u) & 0x80008000u;   // [_, s1, _, s3]
+  const uint32_t s2 = prmt(w4, 0u, 0xBAAAu) & 0x80008000u;  // [_, s4, _, s6] (bytes 2/3)
+  const uint32_t s3 = prmt(w, 0u, 0xBAAAu) & 0x80008000u;   // [_, s5, _, s7]
+  h[0] = h2_bits(__hmul2(bits_h2(x0 | s0), sc2));
+  h[1] = h2_bits(__hmul2(bits_h2(x1 | s1), sc2));
+  h[2] = h2_bits(__hmul2(bits_h2(x2 | s2), sc2));
+  h[3] = h2_bits(__hmul2(bits_h2(x3 | s3), sc2));
+}
+
+// FP8 keys: one word x of 4 E4M3 bytes (dims 4s..4s+3) -> (b0, b2), (b1, b3).
+__device__ __forceinline__ void expand_fp8(uint32_t x, uint32_t* lo, uint32_t* hi) {
+  *lo = (prmt(x, x, 0xA280u) << 7) & 0xBF80BF80u;  // [b0, s0 x8, b2, s2 x8]
+  *hi = (prmt(x, x, 0xB391u) << 7) & 0xBF80BF80u;  // [b1, s1, b3, s3]
+}
+
+__device__ __forceinline__ uint32_t q_pair_bytes(uint32_t b0, uint32_t b1) {
+  return h2_bits(__floats2half2_rn(e4m3_decode(static_cast<uint8_t>(b0)), e4m3_decode(static_cast<uint8_t>(b1))));  // exact
+}
+
+template <int MODE>
+constexpr int half_bytes() {
+  return MODE == kModeFp8 ? kHalfRows * kHeadDim : kHalfRows * (kNvfp4DataBytesPerKey + kNvfp4ScalesPerKey);
+}
+template <int MODE, int NT>
+constexpr int score_smem_bytes() {
+  constexpr int kWarps = warps_of<MODE>();
+  return kWarps * kBuf * half_bytes<MODE>() + 256 * 8 + 8 * NT * 32 * 8 + kWarps * 2 * kTab * static_cast<int>(sizeof(ChunkEnt)) +
+         kWarps * kBuf * 8 + kWarps * kBuf * 4 * 4 +
+         (kPlanLocal + 1) * 4;
+}
+
+// B fragments (the query vectors) of k-step s for the mma.sync tiles (NT = 1 in the sm_90a code,
+// every NT in the compute_90 PTX; the wgmma tiles use the wg_b_index layout instead): registers
+// (NT <= 2) or shared memory (NT = 4, to stay under 128 registers at 16 warps per multiprocessor). Shared layout: [8 k-steps][NT / NW
+// n-tile groups][32 lanes][NW] uint2 with NW = min(NT, 2) n-tiles per group, so a lane reads the
+// fragments of two n-tiles with one 16-byte load and a warp's load is contiguous (no bank
+// conflicts).
+template <int NT>
+struct BFrags {
+  static constexpr bool kReg = NT <= 2;
+  static constexpr int NW = NT < 2 ? NT : 2, NG = NT / NW;
+  __host__ __device__ static constexpr int index(int s, int nt, int lane) {
+    return ((s * NG + nt / NW) * 32 + lane) * NW + nt % NW;
+  }
+  uint32_t r[kReg ? 8 : 1][kReg ? NT : 1][2];
+  const uint2* smem;
+  __device__ __forceinline__ void load(const uint2* qf, int lane) {
+    smem = qf + lane * NW;
+    if (kReg) {
+#pragma unroll
+      for (int s = 0; s < 8; ++s)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const uint2 v = qf[index(s, nt, lane)];
+          r[kReg ? s : 0][kReg ? nt : 0][0] = v.x;
+          r[kReg ? s : 0][kReg ? nt : 0][1] = v.y;
+        }
+    }
+  }
+  // the NT fragments of k-step s
+  __device__ __forceinline__ void get(int s, uint2 (&bb)[NT]) const {
+    if (kReg) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        bb[nt] = make_uint2(r[kReg ? s : 0][kReg ? nt : 0][0], r[kReg ? s : 0][kReg ? nt : 0][1]);
+    } else {
+#pragma unroll
+      for (int gi = 0; gi < NG; ++gi) {
+        const uint4 v = *reinterpret_cast<const uint4*>(smem + (s * NG + gi) * 32 * NW);
+        bb[gi * NW] = make_uint2(v.x, v.y);
+        bb[gi * NW + 1] = make_uint2(v.z, v.w);
+      }
+    }
+  }
+};
+
+// The A fragments of one tile of 16 rows (r0 = g, r1 = g + 8 within the half buffer): f(s, A)
+// is called for each k-step s = 0..7 with its 4 registers (the mma.m16n8k16 A layout, which is
+// also the per-warp A layout of wgmma's m64nNk16 with A in registers).
+template <int MODE, bool NEG, class F>
+__device__ __forceinline__ void tile_frags(const uint8_t* st, int rb, int g, int t4, const uint2* lut, F&& f) {
+  constexpr int ROWB = MODE == kModeFp8 ? kHeadDim : kNvfp4DataBytesPerKey;
+  const int r0 = rb + g, r1 = r0 + 8;
+  if (MODE == kModeFp8) {
+    const uint4 a0 = *reinterpret_cast<const uint4*>(st + r0 * ROWB + t4 * 32);
+    const uint4 a1 = *reinterpret_cast<const uint4*>(st + r0 * ROWB + t4 * 32 + 16);
+    const uint4 b0 = *reinterpret_cast<const uint4*>(st + r1 * ROWB + t4 * 32);
+    const uint4 b1 = *reinterpret_cast<const uint4*>(st + r1 * ROWB + t4 * 32 + 16);
+    const uint32_t x0[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+    const uint32_t x1[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+      uint32_t A[4];
+      expand_fp8(x0[s], &A[0], &A[2]);
+      expand_fp8(x1[s], &A[1], &A[3]);
+      f(s, A);
+    }
+  } else {
+    const uint4 a0 = *reinterpret_cast<const uint4*>(st + r0 * ROWB + t4 * 16);
+    const uint4 b0 = *reinterpret_cast<const uint4*>(st + r1 * ROWB + t4 * 16);
+    const uint8_t* scl = st + kHalfRows * ROWB;
+    const uint32_t sc0 = *reinterpret_cast<const uint16_t*>(scl + r0 * 8 + 2 * t4);
+    const uint32_t sc1 = *reinterpret_cast<const uint16_t*>(scl + r1 * 8 + 2 * t4);
+    const uint32_t w0[4] = {a0.x, a0.y, a0.z, a0.w};
+    const uint32_t w1[4] = {b0.x, b0.y, b0.z, b0.w};
+    uint2 l0[2], l1[2];
+    __half2 f0[2], f1[2];
+    uint32_t n0[2] = {0u, 0u}, n1[2] = {0u, 0u};
+#pragma unroll
+    for (int gi = 0; gi < 2; ++gi) {
+      const uint32_t e0 = (sc0 >> (8 * gi)) & 0xffu, e1 = (sc1 >> (8 * gi)) & 0xffu;
+      if (MODE == kModeE4m3) {
+        l0[gi] = lut[e0];
+        l1[gi] = lut[e1];
+        if (NEG) {  // a negative scale flips every code's sign (never written by the quantizer)
+          n0[gi] = (0u - (e0 >> 7)) & 0x88888888u;
+          n1[gi] = (0u - (e1 >> 7)) & 0x88888888u;
+        }
+      } else {
+        f0[gi] = __float2half2_rn(e4m3_decode(static_cast<uint8_t>(e0)));
+        f1[gi] = __float2half2_rn(e4m3_decode(static_cast<uint8_t>(e1)));
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      uint32_t h0[4], h1[4];
+      if (MODE == kModeE4m3) {
+        expand_e4m3(NEG ? w0[j] ^ n0[j >> 1] : w0[j], l0[j >> 1], h0);
+        expand_e4m3(NEG ? w1[j] ^ n1[j >> 1] : w1[j], l1[j >> 1], h1);
+      } else {
+        expand_exact(w0[j], f0[j >> 1], h0);
+        expand_exact(w1[j], f1[j >> 1], h1);
+      }
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const uint32_t A[4] = {h0[2 * e], h1[2 * e], h0[2 * e + 1], h1[2 * e + 1]};
+        f(2 * j + e, A);
+      }
+    }
+  }
+}
+
+// The block maxima of a warp: lane (g, t4) holds V = 2 NT partial maxima, value v = 2 nt + jj for
+// column 8 nt + 2 t4 + jj, over rows g, g + 8 of its tiles. A reduce-scatter over the 8 lanes of
+// a column group (lane bits 4, 3, 2 = g bits 2, 1, 0; each step halves the values a lane keeps,
+// down to one) leaves in v[0] of lane (g, t4) the maximum over all 16
+// rows of value scatter_value<V>(g); scatter_writer<V>(g) marks one lane per value (3, 4, 7
+// shuffles for V = 2, 4, 8 instead of 6, 12, 24). Max is exact
+// and -0.0 == +0.0 in selection (spec/indexer.md section 3), so the order of the reduction does
+// not change any selection.
+template <int V>
+__host__ __device__ constexpr int scatter_value(int g) {
+  const int g2 = (g >> 2) & 1, g1 = (g >> 1) & 1, g0 = g & 1;
+  return V == 8 ? (g2 << 2 | g1 << 1 | g0) : V == 4 ? (g2 << 1 | g1) : g2;
+}
+template <int V>
+__host__ __device__ constexpr bool scatter_writer(int g) {
+  return V == 8 ? true : V == 4 ? (g & 1) == 0 : (g & 3) == 0;
+}
+template <int V>
+__device__ __forceinline__ void reduce_scatter_max(float (&v)[V], int g) {
+#pragma unroll
+  for (int step = 0; step < 3; ++step) {
+    const int mask = 16 >> step;
+    const bool hi = (g >> (2 - step)) & 1;
+    constexpr int kHalf0 = V / 2;  // values kept after the first step
+    const int C = V >> step;       // values held before this step (a constant after unrolling)
+    if (C > 1) {
+#pragma unroll
+      for (int i = 0; i < kHalf0; ++i) {
+        if (i < C / 2) {
+          const float send = hi ? v[i] : v[i + C / 2];
+          const float keep = hi ? v[i + C / 2] : v[i];
+          v[i] = fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, mask));
+        }
+      }
+    } else {
+      v[0] = fmaxf(v[0], __shfl_xor_sync(0xffffffffu, v[0], mask));
+    }
+  }
+}
+
+// Block maxima of one tile: rm[nt][jj] = max(rm, the tile's two rows) of the lane's columns.
+template <int NT>
+__device__ __forceinline__ void fold_max(const float (&acc)[NT][4], float (&rm)[NT][2]) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    rm[nt][0] = fmaxf(rm[nt][0], fmaxf(acc[nt][0], acc[nt][2]));
+    rm[nt][1] = fmaxf(rm[nt][1], fmaxf(acc[nt][1], acc[nt][3]));
+  }
+}
+
+// One tile of 16 rows against NT*8 query vectors with mma.sync (B fragments from BFrags).
+template <int MODE, int NT, bool NEG>
+__device__ __forceinline__ void score_tile(const uint8_t* st, int rb, int g, int t4, const uint2* lut,
+                                           const BFrags<NT>& bq, float (&rm)[NT][2]) {
+  float acc[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+  tile_frags<MODE, NEG>(st, rb, g, t4, lut, [&](int s, const uint32_t* A) {
+    uint2 bb[NT];
+    bq.get(s, bb);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) mma16816(acc[nt], A, bb[nt].x, bb[nt].y);
+  });
+  fold_max<NT>(acc, rm);
+}
+
+// ---- wgmma (sm_90a): the 4 warps of a warpgroup each multiply their own 16 rows (A from
+// registers) by the same NT*8 query vectors (B in shared memory), one instruction per k-step.
+// B of k-step s is stored K-major without swizzle: 8 x 8 "core matrices" of fp16 (8 vectors x 16
+// bytes, 128 contiguous bytes); the two core matrices of a k-step's 16 k values are LBO = 128
+// bytes apart, consecutive groups of 8 vectors SBO = 256 bytes apart, k-steps N * 32 bytes apart.
+// Word index of the fp16 pair (k = 2 t4 + 8 half, +1) of vector n in k-step s:
+template <int NT>
+__host__ __device__ constexpr int wg_b_index(int s, int n, int half, int t4) {
+  return s * NT * 64 + (n >> 3) * 64 + half * 32 + (n & 7) * 4 + t4;
+}
+
+template <int NT>
+inline constexpr bool kWgmmaTiles =
+    (NT >= INDEXCP_SCORE_WGMMA_MIN_NT || INDEXCP_SCORE_WGMMA_NT1) && INDEXCP_HAVE_WGMMA;
+
+// One tile with wgmma. Every warp of the warpgroup calls it the same number of times (valid =
+// false: a placeholder tile whose product is discarded, so that the warpgroup stays in step).
+template <int MODE, int NT>
+__device__ __forceinline__ void score_tile_wg(const uint8_t* st, int rb, int g, int t4, const uint2* lut,
+                                              uint64_t desc, bool valid, float (&rm)[NT][2]) {
+  uint32_t A[8][4];
+  if (valid)
+    tile_frags<MODE, false>(st, rb, g, t4, lut, [&](int s, const uint32_t* a) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) A[s][i] = a[i];
+    });
+  float acc[NT][4];
+  wg_fence();
+#pragma unroll
+  for (int s = 0; s < 8; ++s) wgmma_tile<NT>(acc, A[s], desc + static_cast<uint64_t>(s * NT * 16), s > 0);
+  wg_commit();
+  wg_wait0();
+  fence_acc<NT>(acc);
+  if (valid) fold_max<NT>(acc, rm);
+}
+
+// NVFP4 in a half buffer: does any of rows row0 .. row0 + nrows - 1 have a negative scale byte?
+// (never, for caches we wrote) Warp-uniform result.
+__device__ __forceinline__ bool any_negative_scale(const uint8_t* st, int row0, int nrows, int lane) {
+  uint32_t orx = 0;
+  for (int r = lane; r < nrows; r += 32) {
+    const uint2 v = *reinterpret_cast<const uint2*>(st + kHalfRows * kNvfp4DataBytesPerKey + (row0 + r) * 8);
+    orx |= v.x | v.y;
+  }
+  return __any_sync(0xffffffffu, (orx & 0x80808080u) != 0);
+}
+
+// NVFP4 with E4M3 rounding, before a wgmma tile: rows of the chunk whose scale byte is negative
+// (never written by the quantizer) get their codes' signs flipped in the stage buffer, so that
+// one code path (and one wgmma site) serves every warp; the table lookup ignores the scale sign.
+__device__ __forceinline__ void fix_negative_scales(uint8_t* st, int row0, int nrows, int lane) {
+  for (int i = lane; i < nrows * 8; i += 32) {
+    const int r = row0 + i / 8, gi = i % 8;
+    if (st[kHalfRows * kNvfp4DataBytesPerKey + r * 8 + gi] & 0x80u) {
+      uint2* w = reinterpret_cast<uint2*>(st + r * kNvfp4DataBytesPerKey + gi * 8);
+      w->x ^= 0x88888888u;
+      w->y ^= 0x88888888u;
+    }
+  }
+  // the generic-proxy writes before the bulk copy (async proxy) that later refills this buffer
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  __syncwarp();
+}
+
+
+}  // namespace
+}  // namespace indexcp::cuda::detail
