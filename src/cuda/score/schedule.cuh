@@ -6,8 +6,8 @@
 
 #include <cub/block/block_scan.cuh>
 
-#include "../common.cuh"
-#include "../kernels.cuh"
+#include "cuda/common.cuh"
+#include "cuda/kernels.cuh"
 
 namespace indexcp::cuda::detail {
 

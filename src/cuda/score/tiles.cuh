@@ -6,10 +6,10 @@
 
 #include <cuda_fp16.h>
 
-#include "../common.cuh"
-#include "../kernels.cuh"
-#include "ptx.cuh"
-#include "schedule.cuh"
+#include "cuda/common.cuh"
+#include "cuda/kernels.cuh"
+#include "cuda/score/ptx.cuh"
+#include "cuda/score/schedule.cuh"
 
 namespace indexcp::cuda::detail {
 
