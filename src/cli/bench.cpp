@@ -1,13 +1,12 @@
 // `indexcp bench decode|topk|insert|prefill|step`: the benchmarks of spec/bench.md on the CUDA
 // backend (src/bench/bench.hpp has the method). Exit status as the other commands; 3 when a
 // sharded selection differed from the replicated one.
-#include "bench_cli.hpp"
-
 #include <CLI/CLI.hpp>
 
 #include <filesystem>
 
 #include "commands.hpp"
+#include "subcommand.hpp"
 #include "validators.hpp"
 
 #include "bench/bench.hpp"
@@ -33,9 +32,12 @@ void add_common(CLI::App* c, bench::RunOptions& r) {
   c->add_flag_callback("-q,--quiet", [&r] { r.progress = false; }, "no progress lines on stderr");
 }
 
-}  // namespace
+class BenchCommand final : public Subcommand {
+ public:
+  CLI::App* add(CLI::App& app) override;
+  int run(int argc, char** argv) override;
 
-struct BenchCommand::Impl {
+ private:
   CLI::App* bench = nullptr;
   CLI::App *decode = nullptr, *topk = nullptr, *insert = nullptr, *prefill = nullptr, *step = nullptr;
   bench::DecodeOptions d, t;
@@ -44,8 +46,8 @@ struct BenchCommand::Impl {
   bench::StepOptions s;
 };
 
-BenchCommand::BenchCommand(CLI::App& app) : impl_(std::make_unique<Impl>()) {
-  Impl& m = *impl_;
+CLI::App* BenchCommand::add(CLI::App& app) {
+  BenchCommand& m = *this;
   m.bench = app.add_subcommand("bench", "Benchmarks of the CUDA backend (spec/bench.md): decode, topk, insert, prefill, step");
   m.bench->require_subcommand(1);
   m.bench->footer(
@@ -105,14 +107,11 @@ BenchCommand::BenchCommand(CLI::App& app) : impl_(std::make_unique<Impl>()) {
     c->add_option("--heads", m.s.heads, "index heads")->check(CLI::Range(1, 64))->capture_default_str();
     c->add_option("--query-len", m.s.query_len, "queries per request (Q)")->check(CLI::Range(1, 16))->capture_default_str();
   }
+  return m.bench;
 }
 
-BenchCommand::~BenchCommand() = default;
-
-bool BenchCommand::parsed() const { return impl_->bench->parsed(); }
-
 int BenchCommand::run(int argc, char** argv) {
-  Impl& m = *impl_;
+  BenchCommand& m = *this;
   std::string cmd;
   for (int k = 0; k < argc; ++k) cmd += (k ? " " : "") + std::string(argv[k]);
   // output paths are checked before minutes of benchmarking, not after
@@ -152,5 +151,9 @@ int BenchCommand::run(int argc, char** argv) {
   }
   return 0;
 }
+
+}  // namespace
+
+INDEXCP_SUBCOMMAND(60, "bench", BenchCommand)
 
 }  // namespace indexcp::cli

@@ -18,8 +18,6 @@
 // {"launcher": {...per-rank exit statuses...}, "ranks": [rank 0's report or null, ...]} and writes
 // it to --report FILE, or prints it on stdout when no --report is given and some rank wrote one.
 // The fresh directories live under one mkdtemp directory ($TMPDIR or /tmp) removed at the end.
-#include "launch.hpp"
-
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -55,6 +53,7 @@
 #include "validators.hpp"
 #include "indexcp/error.hpp"
 #include "indexcp/rendezvous.hpp"
+#include "subcommand.hpp"
 
 namespace indexcp::cli {
 
@@ -62,6 +61,18 @@ namespace fs = std::filesystem;
 using json = nlohmann::json;
 
 namespace {
+
+struct LaunchOptions {
+  int tp = 0;                       ///< W, 1..64
+  double timeout_s = 0.0;           ///< > 0: exported to the ranks as INDEXCP_NCCL_TIMEOUT_S
+  double grace_s = 5.0;             ///< SIGTERM -> SIGKILL delay when the ranks are stopped
+  double time_limit_s = 0.0;        ///< > 0: stop every rank after this wall time
+  std::string report_path;          ///< write the merged report here (else printed when ranks wrote one)
+  std::vector<std::string> command; ///< what each rank runs
+};
+
+/// Registers the `launch` subcommand on `app`, filling `o`.
+
 
 volatile sig_atomic_t g_signal = 0;
 extern "C" void on_signal(int sig) { g_signal = sig; }
@@ -185,8 +196,6 @@ CLI::Validator seconds_in(double lo, double hi) {
       },
       "SECONDS in " + range);
 }
-
-}  // namespace
 
 CLI::App* add_launch_subcommand(CLI::App& app, LaunchOptions& o) {
   auto* l = app.add_subcommand("launch",
@@ -525,5 +534,18 @@ int launch_command(const LaunchOptions& o) {
   std::cerr << "indexcp: error: " << msg << std::endl;
   return exit_code == 0 ? 1 : exit_code;
 }
+
+class LaunchCommand final : public Subcommand {
+ public:
+  CLI::App* add(CLI::App& app) override { return add_launch_subcommand(app, o_); }
+  int run(int, char**) override { return launch_command(o_); }
+
+ private:
+  LaunchOptions o_;
+};
+
+}  // namespace
+
+INDEXCP_SUBCOMMAND(70, "launch", LaunchCommand)
 
 }  // namespace indexcp::cli

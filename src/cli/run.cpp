@@ -9,227 +9,51 @@
 // decode them. Query rows therefore sit at the last pt + S*Q positions, which must be covered by
 // the stored queries (real data: the last 256 positions of each request). With L below the data's
 // length the LAST L tokens of each request are used, renumbered from position 0.
+//
+// run_command below is the sequence of the job's steps, each a function of this file: check the
+// options, the rank's environment and the backend, then the grid, load the data (run_data.cpp),
+// plan the configurations, join the group, run every layer, and report (run_report.cpp).
+#include <CLI/CLI.hpp>
+
 #include <algorithm>
-#include <chrono>
-#include <cmath>
-#include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <iostream>
 #include <map>
+#include <memory>
 #include <numeric>
 #include <optional>
 #include <random>
-#include <sstream>
-#include <unistd.h>
-
-#include <nlohmann/json.hpp>
 
 #include "commands.hpp"
-#include "data_search.hpp"
-#include "core/file_util.hpp"
+#include "core/clock.hpp"
 #include "core/json_util.hpp"
-#include "indexcp/cache.hpp"
-#include "indexcp/capacity.hpp"
-#include "indexcp/config.hpp"
+#include "core/knobs.hpp"
 #include "indexcp/comm.hpp"
+#include "indexcp/config.hpp"
 #include "indexcp/error.hpp"
 #include "indexcp/nccl.hpp"
-#include "indexcp/npy.hpp"
 #include "indexcp/rendezvous.hpp"
 #include "indexcp/replay.hpp"
 #include "indexcp/tp_group.hpp"
 #include "reference.hpp"
-#include "core/knobs.hpp"
-#include "core/clock.hpp"
-
-#ifndef INDEXCP_DEFAULT_DATA_DIR
-#define INDEXCP_DEFAULT_DATA_DIR "data/minilm_stdlib"
-#endif
-#ifndef INDEXCP_VERSION
-#define INDEXCP_VERSION "0"
-#endif
+#include "run.hpp"
+#include "subcommand.hpp"
+#include "validators.hpp"
 
 namespace indexcp::cli {
 
-namespace fs = std::filesystem;
 using json = nlohmann::json;
+
+std::string combo_name(const Combo& c) {
+  return to_string(c.dtype) + " P" + std::to_string(c.P) + " TP" + std::to_string(c.W) + " sharding " +
+         (c.on ? "on" : "off");
+}
 
 namespace {
 
 using detail::now_s;
 
 [[noreturn]] void bad(const std::string& msg) { throw Error(ErrorCode::kInvalidArgument, msg); }
-
-// ---------------------------------------------------------------------------------------------
-// Data: keys [R][T][128] and queries [R][Qn][H][128] for the last Qn positions of each request.
-
-struct Data {
-  std::string source, name, keys_path, queries_path;
-  json meta;
-  int32_t R = 0, T = 0, Qn = 0, H = 0;
-  std::string keys_dtype = "float32", queries_dtype = "float32";
-  std::vector<float> keys, queries;
-  const float* key(int32_t r, int64_t pos) const { return keys.data() + (static_cast<int64_t>(r) * T + pos) * kHeadDim; }
-  // query of request r at data position pos (pos >= T - Qn), head 0
-  const float* query(int32_t r, int64_t pos) const {
-    return queries.data() + ((static_cast<int64_t>(r) * Qn + (pos - (T - Qn))) * H) * kHeadDim;
-  }
-};
-
-Data load_files(const std::string& keys_path, const std::string& queries_path) {
-  Data d;
-  d.keys_path = keys_path;
-  d.queries_path = queries_path;
-  const npy::Array k = npy::load(keys_path);
-  if (k.dtype != npy::Dtype::kFloat16 && k.dtype != npy::Dtype::kFloat32)
-    bad(keys_path + ": dtype is " + npy::dtype_name(k.dtype) + ", expected float16 or float32");
-  if (k.ndim() != 3 || k.shape[2] != kHeadDim || k.shape[0] < 1 || k.shape[1] < 1)
-    bad(keys_path + ": shape " + npy::shape_string(k.shape) + " must be [requests, tokens, 128]");
-  if (k.shape[0] > 4096 || k.shape[1] > (1 << 28)) bad(keys_path + ": shape " + npy::shape_string(k.shape) + " is too large");
-  const npy::Array q = npy::load(queries_path);
-  if (q.dtype != npy::Dtype::kFloat16 && q.dtype != npy::Dtype::kFloat32)
-    bad(queries_path + ": dtype is " + npy::dtype_name(q.dtype) + ", expected float16 or float32");
-  if (q.ndim() != 4 || q.shape[3] != kHeadDim || q.shape[1] < 1 || q.shape[2] < 1 || q.shape[2] > 64)
-    bad(queries_path + ": shape " + npy::shape_string(q.shape) + " must be [requests, positions, heads (1..64), 128]");
-  if (q.shape[0] != k.shape[0])
-    bad(queries_path + ": shape " + npy::shape_string(q.shape) + " has " + std::to_string(q.shape[0]) +
-        " requests but " + keys_path + " has " + std::to_string(k.shape[0]));
-  if (q.shape[1] > k.shape[1])
-    bad(queries_path + ": " + std::to_string(q.shape[1]) + " query positions per request, more than the " +
-        std::to_string(k.shape[1]) + " tokens of " + keys_path);
-  d.R = static_cast<int32_t>(k.shape[0]);
-  d.T = static_cast<int32_t>(k.shape[1]);
-  d.Qn = static_cast<int32_t>(q.shape[1]);
-  d.H = static_cast<int32_t>(q.shape[2]);
-  d.keys_dtype = npy::dtype_name(k.dtype);
-  d.queries_dtype = npy::dtype_name(q.dtype);
-  d.keys = npy::to_float32(k, keys_path);
-  d.queries = npy::to_float32(q, queries_path);
-  for (std::size_t i = 0; i < d.keys.size(); ++i)
-    if (!std::isfinite(d.keys[i])) {
-      const int64_t tok = static_cast<int64_t>(i / kHeadDim);
-      bad(keys_path + ": non-finite value at request " + std::to_string(tok / d.T) + ", position " +
-          std::to_string(tok % d.T) + ", dim " + std::to_string(i % kHeadDim));
-    }
-  for (std::size_t i = 0; i < d.queries.size(); ++i)
-    if (!std::isfinite(d.queries[i])) {
-      const int64_t v = static_cast<int64_t>(i / kHeadDim);
-      bad(queries_path + ": non-finite value at request " + std::to_string(v / d.H / d.Qn) + ", query " +
-          std::to_string((v / d.H) % d.Qn) + ", head " + std::to_string(v % d.H) + ", dim " +
-          std::to_string(i % kHeadDim));
-    }
-  return d;
-}
-
-// Synthetic keys with block-level structure (each 128-token block has its own mean direction)
-// and queries that point at a few earlier blocks, so that selections are not a coin toss.
-Data make_synthetic(int32_t R, int32_t T, int32_t Qn, int32_t H, uint32_t seed) {
-  Data d;
-  d.source = "synthetic";
-  d.name = "synthetic-seed" + std::to_string(seed);
-  d.R = R;
-  d.T = T;
-  d.Qn = Qn;
-  d.H = H;
-  d.keys.resize(static_cast<std::size_t>(R) * T * kHeadDim);
-  d.queries.resize(static_cast<std::size_t>(R) * Qn * H * kHeadDim);
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  const int32_t nblocks = (T + kBlockTokens - 1) / kBlockTokens;
-  std::vector<float> mean(static_cast<std::size_t>(nblocks) * kHeadDim);
-  for (int32_t r = 0; r < R; ++r) {
-    for (auto& m : mean) m = 0.7f * nd(rng);
-    for (int64_t p = 0; p < T; ++p) {
-      float* k = d.keys.data() + (static_cast<int64_t>(r) * T + p) * kHeadDim;
-      const float* m = mean.data() + (p / kBlockTokens) * kHeadDim;
-      for (int i = 0; i < kHeadDim; ++i) k[i] = m[i] + nd(rng);
-    }
-    for (int32_t j = 0; j < Qn; ++j) {
-      const int64_t pos = T - Qn + j;
-      const int64_t nb = std::max<int64_t>(1, pos / kBlockTokens);
-      for (int32_t h = 0; h < H; ++h) {
-        float* q = d.queries.data() + ((static_cast<int64_t>(r) * Qn + j) * H + h) * kHeadDim;
-        for (int i = 0; i < kHeadDim; ++i) q[i] = nd(rng);
-        for (int a = 0; a < 3; ++a) {
-          const int64_t b = static_cast<int64_t>(rng() % static_cast<uint64_t>(nb));
-          for (int i = 0; i < kHeadDim; ++i) q[i] += mean[b * kHeadDim + i];
-        }
-      }
-    }
-  }
-  return d;
-}
-
-// ---------------------------------------------------------------------------------------------
-// One layer's workload (config-independent parts).
-
-struct Workload {
-  int32_t R = 0, L = 0, ctx0 = 0, pt = 0, S = 0, Q = 0, H = 0, K = 16;
-  int64_t offset = 0;  // data position of window position 0
-  int64_t rows_total = 0;
-  std::vector<uint8_t> q_prefill;             // [R*pt][H][128] E4M3
-  std::vector<std::vector<uint8_t>> q_decode; // per step [R*Q][H][128]
-  std::vector<int32_t> reference;             // [rows_total][H][K]
-};
-
-// Row order of every selection vector: the prefill rows (request-major), then each decode step's
-// rows (request-major). Returns the window position of row `row`'s request r and index.
-void quantize_rows(const Data& d, const Workload& w, int32_t r, int64_t pos0, int32_t n, uint8_t* out) {
-  std::vector<float> tmp(static_cast<std::size_t>(n) * w.H * kHeadDim);
-  for (int32_t i = 0; i < n; ++i)
-    std::copy_n(d.query(r, w.offset + pos0 + i), static_cast<std::size_t>(w.H) * kHeadDim,
-                tmp.data() + static_cast<std::size_t>(i) * w.H * kHeadDim);
-  quantize_queries(tmp.data(), n, w.H, KeyPreprocess{}, out);
-}
-
-void build_workload(const Data& d, Workload& w) {
-  const int32_t rows_per_req = w.pt + w.S * w.Q;
-  w.rows_total = static_cast<int64_t>(w.R) * rows_per_req;
-  const std::size_t vec = static_cast<std::size_t>(w.H) * kHeadDim;
-  w.q_prefill.assign(static_cast<std::size_t>(w.R) * w.pt * vec, 0);
-  for (int32_t r = 0; r < w.R; ++r)
-    if (w.pt) quantize_rows(d, w, r, w.ctx0, w.pt, w.q_prefill.data() + static_cast<std::size_t>(r) * w.pt * vec);
-  w.q_decode.assign(static_cast<std::size_t>(w.S), std::vector<uint8_t>(static_cast<std::size_t>(w.R) * w.Q * vec));
-  for (int32_t s = 0; s < w.S; ++s)
-    for (int32_t r = 0; r < w.R; ++r)
-      quantize_rows(d, w, r, w.ctx0 + w.pt + static_cast<int64_t>(s) * w.Q, w.Q,
-                    w.q_decode[s].data() + static_cast<std::size_t>(r) * w.Q * vec);
-  // fp32 reference for every row, in the same row order
-  w.reference.assign(static_cast<std::size_t>(w.rows_total) * w.H * w.K, -1);
-  std::vector<int32_t> tmp(static_cast<std::size_t>(rows_per_req) * w.H * w.K);
-  std::vector<float> qf(static_cast<std::size_t>(rows_per_req) * vec);
-  for (int32_t r = 0; r < w.R; ++r) {
-    for (int32_t i = 0; i < rows_per_req; ++i)
-      std::copy_n(d.query(r, w.offset + w.ctx0 + i), vec, qf.data() + static_cast<std::size_t>(i) * vec);
-    reference_select(d.key(r, w.offset), qf.data(), w.ctx0, rows_per_req, w.H, w.K, 0, tmp.data());
-    const std::size_t per_row = static_cast<std::size_t>(w.H) * w.K;
-    for (int32_t i = 0; i < rows_per_req; ++i) {
-      int64_t row;
-      if (i < w.pt) {
-        row = static_cast<int64_t>(r) * w.pt + i;
-      } else {
-        const int32_t s = (i - w.pt) / w.Q, j = (i - w.pt) % w.Q;
-        row = static_cast<int64_t>(w.R) * w.pt + static_cast<int64_t>(s) * w.R * w.Q + static_cast<int64_t>(r) * w.Q + j;
-      }
-      std::copy_n(tmp.data() + i * per_row, per_row, w.reference.data() + row * per_row);
-    }
-  }
-}
-
-// ---------------------------------------------------------------------------------------------
-// One configuration.
-
-struct Combo {
-  KvDtype dtype;
-  int32_t P, W;
-  bool on;
-};
-
-std::string combo_name(const Combo& c) {
-  return to_string(c.dtype) + " P" + std::to_string(c.P) + " TP" + std::to_string(c.W) + " sharding " +
-         (c.on ? "on" : "off");
-}
 
 struct RunResult {
   std::vector<int32_t> sel;  // [rows_total][H][K]
@@ -333,23 +157,6 @@ RunResult run_combo(const std::string& backend, const ResolvedConfig& rc, const 
   return out;
 }
 
-// Aggregated over layers, per listed configuration.
-struct ConfigReport {
-  Combo combo;
-  ResolvedConfig rc;
-  bool equal = true;
-  std::string compared_with;
-  std::vector<double> recall_per_head;
-  double insert_us = 0, prefill_us = 0, decode_us = 0;
-  int64_t decode_bytes = 0, gather_reserved = 0, cache_bytes = 0, num_pages = 0;
-  std::string decode_timing, prefill_timing;
-  int layers = 0;
-};
-
-
-}  // namespace
-
-// ---------------------------------------------------------------------------------------------
 
 // The values of a repeated flag (--tp 2 --tp 2, --kv-dtype nvfp4,nvfp4) once each, in order.
 template <class T>
@@ -360,17 +167,16 @@ std::vector<T> unique_in_order(const std::vector<T>& v) {
   return out;
 }
 
-int run_command(const RunOptions& opts) {
-  const double t_start = now_s();
+// ---- the steps of run_command, in order
+
+// 1. The options, repeated values once each, and the checks the parser cannot make.
+RunOptions checked_options(const RunOptions& opts) {
   RunOptions o = opts;
   o.kv_dtypes = unique_in_order(o.kv_dtypes);
   o.page_sizes = unique_in_order(o.page_sizes);
   o.tps = unique_in_order(o.tps);
   o.shardings = unique_in_order(o.shardings);
   if (!o.json_path.empty()) check_output_path(o.json_path, "--json");
-  const auto progress = [&](const std::string& s) {
-    if (!o.quiet) std::cerr << "indexcp run: " << s << std::endl;
-  };
   // validate the options that the parser cannot
   if (o.steps < 0) bad("--steps = " + std::to_string(o.steps) + " must be >= 0");
   if (o.prefill_tokens < 0) bad("--prefill-tokens = " + std::to_string(o.prefill_tokens) + " must be >= 0");
@@ -384,14 +190,19 @@ int run_command(const RunOptions& opts) {
     bad("--synthetic cannot be combined with --data, --keys or --queries");
   if (o.keys_file.empty() != o.queries_file.empty()) bad("--keys and --queries go together");
   if (!o.keys_file.empty() && !o.data_dir.empty()) bad("--data cannot be combined with --keys/--queries");
-  const int64_t budget = budget_bytes_from_gib(o.capacity_budget_gib, "--capacity-budget-gib");
+  (void)budget_bytes_from_gib(o.capacity_budget_gib, "--capacity-budget-gib");
+  return o;
+}
 
-  // ---- one rank of a group of processes (`indexcp launch --tp W -- indexcp run ...`): this process
-  // runs every configuration at TP W as rank INDEXCP_RANK on its own GPU, exchanging through NCCL;
-  // rank 0 prints the table and writes --json, every rank writes its rank report for the launcher
-  const std::optional<RankEnv> env = rank_env_from_env();
-  const bool as_rank = env && env->world > 1;
-  if (as_rank) {
+// 2. One rank of a group of processes (`indexcp launch --tp W -- indexcp run ...`): this process
+// runs every configuration at TP W as rank INDEXCP_RANK on its own GPU, exchanging through NCCL;
+// rank 0 prints the table and writes --json, every rank writes its rank report for the launcher.
+// Returns where this process stands, and narrows the options to what a rank runs.
+RunPlace rank_place(RunOptions& o, std::optional<RankEnv>& env) {
+  env = rank_env_from_env();
+  RunPlace place;
+  if (!(env && env->world > 1)) return place;
+  {
     const int W = env->world;
     const std::string why = " (INDEXCP_WORLD = " + std::to_string(W) + ": this process is rank " +
                             std::to_string(env->rank) + " of a group started by `indexcp launch`)";
@@ -415,115 +226,56 @@ int run_command(const RunOptions& opts) {
     o.backend = "cuda";
     if (env->rank != 0) o.quiet = true;  // one rank's progress lines are enough
   }
+  place.world = env->world;
+  place.rank = env->rank;
+  place.device = env->device;
+  return place;
+}
 
-  // the environment (INDEXCP_P256_STOCK_DECODE) fails now, on its own, not as a policy refusal of
-  // every combination; an unavailable backend fails now, not after the data is loaded (one
-  // process: a probe; a rank: the checks below, before any CUDA call, which must come after the
-  // communicator has made the rank's device current)
+// 3. The environment (INDEXCP_P256_STOCK_DECODE) fails now, on its own, not as a policy refusal of
+// every combination; an unavailable backend fails now, not after the data is loaded (one process:
+// a probe; a rank: the checks of rank_place, before any CUDA call, which must come after the
+// communicator has made the rank's device current).
+void probe_backend(const RunOptions& o, const RunPlace& place) {
   const ResolvedConfig rc_default = resolve_config(AttentionConfig{}, EngineParams{});
-  if (!as_rank && o.backend != "cpu") (void)make_tp_indexer(o.backend, rc_default, 1);
+  if (!place.as_rank() && o.backend != "cpu") (void)make_tp_indexer(o.backend, rc_default, 1);
+}
 
-  // ---- the grid
-  std::vector<KvDtype> dts;
-  for (const auto& s : o.kv_dtypes) dts.push_back(parse_kv_dtype(s, "--kv-dtype"));
+// 4. The grid: kv dtypes x page sizes x TP x sharding.
+struct Grid {
+  std::vector<KvDtype> dtypes;
   bool want_off = false, want_on = false;
+};
+
+Grid parse_grid(const RunOptions& o) {
+  Grid g;
+  for (const auto& s : o.kv_dtypes) g.dtypes.push_back(parse_kv_dtype(s, "--kv-dtype"));
   for (const auto& s : o.shardings) {
-    if (s == "off") want_off = true;
-    else if (s == "on") want_on = true;
+    if (s == "off") g.want_off = true;
+    else if (s == "on") g.want_on = true;
     else bad("--sharding = \"" + s + "\" is not supported; use off, on or off,on");
   }
   for (int32_t P : o.page_sizes)
     if (P != 128 && P != 256) bad("--page-size = " + std::to_string(P) + " is not supported; use 128, 256");
   for (int32_t W : o.tps)
     if (W != 1 && W != 2 && W != 4 && W != 8) bad("--tp = " + std::to_string(W) + " is not supported; use 1, 2, 4, 8");
-  // ---- data
-  const int32_t rows_per_req = o.prefill_tokens + o.steps * o.query_len;
-  Data data;
-  if (o.synthetic) {
-    if (o.requests < 0 || o.requests > 4096) bad("--requests = " + std::to_string(o.requests) + " is out of range");
-    if (o.tokens < 0) bad("--tokens = " + std::to_string(o.tokens) + " must be > 0");
-    if (o.heads < 1 || o.heads > 64) bad("--heads = " + std::to_string(o.heads) + " is out of range 1..64");
-    const int32_t R = o.requests ? o.requests : 4, T = o.tokens ? o.tokens : 33024;
-    if (rows_per_req > T)
-      bad("--prefill-tokens " + std::to_string(o.prefill_tokens) + " + --steps " + std::to_string(o.steps) +
-          " x --query-len " + std::to_string(o.query_len) + " = " + std::to_string(rows_per_req) +
-          " query positions exceed --tokens " + std::to_string(T));
-    if (static_cast<int64_t>(R) * T > (int64_t{1} << 23))
-      bad("--requests x --tokens = " + std::to_string(static_cast<int64_t>(R) * T) +
-          " synthetic tokens is too large (at most 8,388,608)");
-    // generated once the policy accepts some combination (an error then is the only output)
-    data.R = R;
-    data.T = T;
-    data.Qn = rows_per_req;
-    data.H = o.heads;
-  } else {
-    std::string kp = o.keys_file, qp = o.queries_file;
-    if (kp.empty()) {
-      const std::string dir =
-          o.data_dir.empty() ? find_default_data(self_executable(), INDEXCP_INSTALLED_DATA_DIR, INDEXCP_DEFAULT_DATA_DIR).string() : o.data_dir;
-      std::error_code ec;
-      if (!fs::is_directory(dir, ec)) throw Error(ErrorCode::kIo, dir + ": no such data directory (--data)");
-      kp = (fs::path(dir) / "keys.npy").string();
-      qp = (fs::path(dir) / "queries.npy").string();
-      data = load_files(kp, qp);
-      data.source = "real";
-      data.name = fs::path(dir).lexically_normal().filename().string();
-      if (data.name.empty()) data.name = fs::path(dir).lexically_normal().parent_path().filename().string();
-      const fs::path meta = fs::path(dir) / "meta.json";
-      if (fs::exists(meta, ec)) {
-        try {
-          data.meta = detail::parse_json_strict(detail::read_text_file(meta.string(), "--data"), meta.string());
-          if (data.meta.is_object() && data.meta.contains("name") && data.meta["name"].is_string())
-            data.name = data.meta["name"].get<std::string>();
-        } catch (const json::exception& e) {
-          bad(meta.string() + ": not valid JSON (" + e.what() + ")");
-        }
-      }
-    } else {
-      data = load_files(kp, qp);
-      data.source = "files";
-      data.name = fs::path(kp).parent_path().filename().string();
-      if (data.name.empty()) data.name = fs::path(kp).stem().string();
-    }
-    if (o.requests < 0 || o.requests > data.R)
-      bad("--requests = " + std::to_string(o.requests) + " is out of range 1.." + std::to_string(data.R) +
-          " (the data holds " + std::to_string(data.R) + " requests)");
-    if (o.tokens < 0 || o.tokens > data.T)
-      bad("--tokens = " + std::to_string(o.tokens) + " is out of range 1.." + std::to_string(data.T) +
-          " (the data holds " + std::to_string(data.T) + " tokens per request)");
-    if (rows_per_req > data.Qn)
-      bad("--prefill-tokens " + std::to_string(o.prefill_tokens) + " + --steps " + std::to_string(o.steps) +
-          " x --query-len " + std::to_string(o.query_len) + " = " + std::to_string(rows_per_req) +
-          " query positions, but " + data.queries_path + " holds queries for the last " + std::to_string(data.Qn) +
-          " positions of each request");
-    if (o.heads_given && o.heads != data.H)
-      bad("--heads = " + std::to_string(o.heads) + " applies to --synthetic data only; " + data.queries_path +
-          " holds " + std::to_string(data.H) + " query heads");
-  }
-  Workload w;
-  w.R = o.requests ? o.requests : data.R;
-  w.L = o.tokens ? o.tokens : data.T;
-  w.pt = o.prefill_tokens;
-  w.S = o.steps;
-  w.Q = o.query_len;
-  w.H = data.H;
-  w.K = o.topk;
-  w.offset = data.T - w.L;
-  w.ctx0 = w.L - rows_per_req;
-  if (w.ctx0 < 0)
-    bad("--tokens = " + std::to_string(w.L) + " is shorter than the " + std::to_string(rows_per_req) +
-        " prefill and decode positions");
-  if (rows_per_req > w.L || rows_per_req > data.Qn) bad("not enough query positions for the workload");
+  return g;
+}
 
-  std::vector<ConfigReport> reports;
-  json skipped = json::array();
-  struct Planned {
-    Combo combo;
-    ResolvedConfig rc;
-    bool listed;      // reported (else only the replicated reference of an "on" run)
-    int report = -1;  // index into reports
-  };
+// 5. (run_data.cpp: load_run_data, make_workload.) 6. The configurations to run: every combination
+// the policy accepts, each sharding-on run after the sharding-off run it is compared with (run
+// even when only "on" is listed, as its replicated reference); the refused ones with the reason.
+struct Planned {
+  Combo combo;
+  ResolvedConfig rc;
+  bool listed;      // reported (else only the replicated reference of an "on" run)
+  int report = -1;  // index into RunOutcome::reports
+};
+
+std::vector<Planned> plan_runs(const RunOptions& o, const Grid& g, const Workload& w, json& skipped) {
   std::vector<Planned> plan;
+  const std::vector<KvDtype>& dts = g.dtypes;
+  const bool want_off = g.want_off, want_on = g.want_on;
   for (KvDtype dt : dts)
     for (int32_t P : o.page_sizes)
       for (int32_t W : o.tps) {
@@ -571,6 +323,12 @@ int run_command(const RunOptions& opts) {
     }
     bad(why + "; see --kv-dtype, --page-size, --tp, --sharding" + (o.synthetic ? ", --heads" : ""));
   }
+  return plan;
+}
+
+// 7. The data itself: synthetic data is generated only now, once the policy accepts some
+// configuration (an error before is the only output).
+void prepare_data(const RunOptions& o, int32_t rows_per_req, Data& data, const std::function<void(const std::string&)>& progress) {
   if (o.synthetic) {
     progress("generating synthetic data (" + std::to_string(data.R) + " requests x " + std::to_string(data.T) +
              " tokens)");
@@ -580,27 +338,15 @@ int run_command(const RunOptions& opts) {
              " tokens, " + data.keys_dtype + ") and " + data.queries_path + " (last " + std::to_string(data.Qn) +
              " positions x " + std::to_string(data.H) + " heads, " + data.queries_dtype + ")");
   }
-  for (auto& p : plan)
-    if (p.listed) {
-      p.report = static_cast<int>(reports.size());
-      ConfigReport r;
-      r.combo = p.combo;
-      r.rc = p.rc;
-      r.recall_per_head.assign(static_cast<std::size_t>(w.H), 0.0);
-      reports.push_back(r);
-    }
+}
+
+// 8. Every layer: each planned configuration runs the whole workload, its selections compared
+// with its replicated reference and with the fp32 reference.
+void run_layers(const RunOptions& o, const std::vector<Planned>& plan, int32_t rows_per_req, Data& data, Workload& w,
+                Communicator* group, RunOutcome& out, const std::function<void(const std::string&)>& progress) {
+  std::vector<ConfigReport>& reports = out.reports;
+  std::string& backend_used = out.backend;
   const int n_runs = static_cast<int>(plan.size());
-
-  // ---- the group (as a rank): formed once the arguments and data are known to be good
-  std::unique_ptr<nccl::NcclCommunicator> group;
-  if (as_rank) {
-    progress("joining the TP" + std::to_string(env->world) + " group (rank " + std::to_string(env->rank) + ", GPU " +
-             std::to_string(env->device) + ")");
-    group = nccl::make_communicator(*env);  // also makes env->device the current device
-  }
-
-  // ---- layers
-  std::string backend_used;
   for (int32_t layer = 0; layer < o.layers; ++layer) {
     const std::string lname = o.layers > 1 ? "layer " + std::to_string(layer) + ": " : "";
     if (o.synthetic && layer > 0) data = make_synthetic(w.R, w.L, rows_per_req, w.H, o.seed + static_cast<uint32_t>(layer));
@@ -616,7 +362,7 @@ int run_command(const RunOptions& opts) {
     for (int i = 0; i < n_runs; ++i) {
       const Planned& p = plan[i];
       const double t = now_s();
-      RunResult rr = run_combo(o.backend, p.rc, data, w, group.get());
+      RunResult rr = run_combo(o.backend, p.rc, data, w, group);
       backend_used = rr.backend;
       progress(lname + "[" + std::to_string(i + 1) + "/" + std::to_string(n_runs) + "] " + combo_name(p.combo) +
                (p.listed ? "" : " (replicated reference)") + ": insert " + fmt("%.1f s", rr.insert_us * 1e-6) +
@@ -662,191 +408,75 @@ int run_command(const RunOptions& opts) {
       ++r.layers;
     }
   }
+}
 
-  // ---- capacity (stated budget, TP2 P128, NVFP4 KV and index)
-  const ModelDesc m3 = ModelDesc::builtin("minimax-m3");
-  const CapacityReport cap = plan_capacity(m3, budget, KvDtype::kNvfp4, KvDtype::kNvfp4, 2, 128);
-  json capj = json::parse(cap.to_json());
-  capj["budget_gib_per_rank"] = o.capacity_budget_gib;
-  capj["note"] = upstream_reference_note("minimax-m3", budget);
-  if (cap.off.tokens == 0) capj["ratio"] = nullptr;  // fewer than one page fits: no ratio
+// 9. A rank's outcome for the launcher's merged report ($INDEXCP_REPORT_DIR/rank<r>.json).
+void write_rank_report(const RunPlace& place, const json& report) {
+  if (const char* dir = detail::knob_env("INDEXCP_REPORT_DIR"); dir && *dir) {
+    const json& configs = report["configs"];
+    json rr = {{"rank", place.rank}, {"cuda_device", place.device},
+               {"all_selections_equal_replicated", report["all_selections_equal_replicated"]},
+               {"configs", json::array()}};
+    for (const auto& c : configs)
+      rr["configs"].push_back({{"kv_dtype", c["kv_dtype"]}, {"page_size", c["page_size"]}, {"tp", c["tp"]},
+                               {"sharding", c["sharding"]}, {"selections_equal_replicated", c["selections_equal_replicated"]},
+                               {"us_per_layer_per_rank", c["us_per_layer_per_rank"]},
+                               {"prefill_us_per_layer_per_rank", c["prefill_us_per_layer_per_rank"]}});
+    write_file_atomic(std::string(dir) + "/rank" + std::to_string(place.rank) + ".json", detail::dump_text(rr) + "\n");
+  }
+}
 
-  // ---- report
-  bool all_equal = true;
-  int sharded_runs = 0;  // listed configurations whose index cache really was sharded
-  json configs = json::array();
-  for (const auto& r : reports) {
-    if (r.combo.on && r.rc.sharding) ++sharded_runs;
-    double recall = 0;
-    for (double x : r.recall_per_head) recall += x / static_cast<double>(r.recall_per_head.size());
-    all_equal = all_equal && r.equal;
-    configs.push_back({{"kv_dtype", to_string(r.combo.dtype)},
-                       {"page_size", r.combo.P},
-                       {"tp", r.combo.W},
-                       {"sharding", r.combo.on ? "on" : "off"},
-                       {"bytes_per_token_per_layer_per_rank", r.rc.index_bytes_per_token_per_layer_per_rank},
-                       {"selections_equal_replicated", r.equal},
-                       {"compared_with", r.compared_with},
-                       {"recall_vs_fp32", recall},
-                       {"recall_vs_fp32_per_head", r.recall_per_head},
-                       {"us_per_layer_per_rank", r.decode_us},
-                       {"prefill_us_per_layer_per_rank", r.prefill_us},
-                       {"decode_timing", r.decode_timing},
-                       {"prefill_timing", r.prefill_timing},
-                       {"insert_us_per_layer", r.insert_us},
-                       {"decode_bytes_exchanged_per_rank", r.decode_bytes},
-                       {"prefill_gather_reserved_bytes", r.gather_reserved},
-                       {"cache_bytes_per_rank", r.cache_bytes},
-                       {"num_pages", r.num_pages},
-                       {"resolved_config", json::parse(r.rc.to_json())}});
-  }
-  json dataj = {{"source", data.source},
-                {"name", data.name},
-                {"tokens", static_cast<int64_t>(w.R) * w.L},
-                {"requests", w.R},
-                {"tokens_per_request", w.L},
-                {"heads", w.H}};
-  if (!data.keys_path.empty()) {
-    dataj["keys"] = data.keys_path;
-    dataj["queries"] = data.queries_path;
-    dataj["keys_dtype"] = data.keys_dtype;
-    dataj["queries_dtype"] = data.queries_dtype;
-    dataj["tokens_in_data_per_request"] = data.T;
-  } else {
-    dataj["seed"] = o.seed;
-  }
-  if (data.meta.is_object()) {  // meta.json's short entries (provenance), not long lists
-    json m = json::object();
-    for (auto it = data.meta.begin(); it != data.meta.end(); ++it)
-      if (it.value().dump().size() <= 2048) m[it.key()] = it.value();
-    dataj["meta"] = m;
-  }
-  json report = {
-      {"indexcp_version", INDEXCP_VERSION},
-      {"backend", backend_used},
-      {"data", dataj},
-      {"workload",
-       {{"layers", o.layers},
-        {"requests", w.R},
-        {"tokens_per_request", w.L},
-        {"window_start_in_data", w.offset},
-        {"inserted_directly_per_request", w.ctx0},
-        {"prefill_tokens_per_request", w.pt},
-        {"decode_steps", w.S},
-        {"decode_query_len", w.Q},
-        {"heads", w.H},
-        {"topk", w.K},
-        {"init_blocks", 0},
-        {"local_blocks", 1},
-        {"prefill_mode_when_sharded", "gather"},
-        {"rows_compared_per_layer", w.rows_total},
-        {"encode_scale", 1.0}}},
-      {"configs", configs},
-      {"skipped", skipped},
-      {"all_selections_equal_replicated", all_equal},
-      {"sharded_configurations_run", sharded_runs},
-      {"capacity", capj},
-      {"definitions",
-       {{"us_per_layer_per_rank",
-         "mean over decode steps of one rank's busy time (StepStats.us_per_rank, averaged over ranks) for one "
-         "decode step of one layer"},
-        {"prefill_us_per_layer_per_rank", "the same for the prefill chunk"},
-        {"recall_vs_fp32",
-         "|fp32-reference blocks ∩ selected blocks| / |fp32-reference blocks| per (row, head), the forced local "
-         "block included, averaged over all prefill and decode rows, then over heads; the reference scores blocks "
-         "by max over tokens of dot(q, k) in double from the unquantized fp32 keys and queries"},
-        {"selections_equal_replicated",
-         "sharding on: bit-for-bit equal to the sharding-off run of the same kv_dtype, page size and TP on every "
-         "prefill and decode step; sharding off: equal to the first sharding-off run of the same kv_dtype"}}},
-      {"wall_s", now_s() - t_start}};
-  {  // the commit that ran, as the bench records carry it (INDEXCP_GIT_REV, set by the device scripts)
-    const char* rev = detail::knob_env("INDEXCP_GIT_REV");
-    report["git_rev"] = (rev && *rev) ? rev : "unknown";
-  }
-  report["processes"] = as_rank ? env->world : 1;  // spec/bench.md's fields: ranks as processes, GPUs used
-  report["num_gpus"] = as_rank ? env->world : (backend_used == "cuda" ? 1 : 0);
-  if (as_rank) {
-    report["nccl"] = nccl::version();
-    report["definitions"]["us_per_layer_per_rank"] =
-        "mean over decode steps of rank 0's busy time (its GPU work and its NCCL exchanges, one process per rank) "
-        "for one decode step of one layer";
-  }
+}  // namespace
 
-  // ---- table
-  std::ostringstream os;
-  const auto plural = [](int64_t n, const char* one, const char* many) { return std::to_string(n) + (n == 1 ? one : many); };
-  os << "indexcp run: " << data.source << " data \"" << data.name << "\", " << plural(w.R, " request", " requests") << " x "
-     << w.L << " tokens, " << plural(o.layers, " layer", " layers") << ", backend " << backend_used
-     << (as_rank ? ", TP" + std::to_string(env->world) + " across " + std::to_string(env->world) +
-                       " processes (one GPU each, NCCL; times of rank 0)"
-                 : std::string())
-     << "\n";
-  os << "  per request: " << w.ctx0 << " tokens inserted directly, a " << w.pt
-     << "-token prefill chunk (gather mode when sharded), " << plural(w.S, " decode step", " decode steps") << " x "
-     << plural(w.Q, " query", " queries") << "; H = " << w.H << ", top-" << w.K << "\n\n";
-  char line[256];
-  std::snprintf(line, sizeof line, "%-8s %5s %3s %-8s %12s %10s %9s %14s %14s\n", "kv_dtype", "P", "TP", "sharding",
-                "B/token/rank", "sel==repl", "recall", "decode us/rank", "prefill us/rank");
-  os << line;
-  for (const auto& c : configs) {
-    std::snprintf(line, sizeof line, "%-8s %5d %3d %-8s %12lld %10s %9.4f %14.0f %14.0f\n",
-                  c["kv_dtype"].get<std::string>().c_str(), c["page_size"].get<int>(), c["tp"].get<int>(),
-                  c["sharding"].get<std::string>().c_str(),
-                  static_cast<long long>(c["bytes_per_token_per_layer_per_rank"].get<int64_t>()),
-                  c["selections_equal_replicated"].get<bool>() ? "yes" : "NO", c["recall_vs_fp32"].get<double>(),
-                  c["us_per_layer_per_rank"].get<double>(), c["prefill_us_per_layer_per_rank"].get<double>());
-    os << line;
-  }
-  {  // how the times were taken (the same for every configuration of one backend)
-    std::string dt, pt;
-    for (const auto& c : configs) {
-      if (dt.empty()) dt = c["decode_timing"].get<std::string>();
-      if (pt.empty()) pt = c["prefill_timing"].get<std::string>();
+int run_command(const RunOptions& opts) {
+  const double t_start = now_s();
+  RunOptions o = checked_options(opts);
+  std::optional<RankEnv> env;
+  const RunPlace place = rank_place(o, env);
+  const auto progress = [&](const std::string& s) {
+    if (!o.quiet) std::cerr << "indexcp run: " << s << std::endl;
+  };
+  probe_backend(o, place);
+  const Grid grid = parse_grid(o);
+  const int32_t rows_per_req = o.prefill_tokens + o.steps * o.query_len;
+  Data data = load_run_data(o, rows_per_req);
+  Workload w = make_workload(o, data, rows_per_req);
+  RunOutcome out;
+  out.want_on = grid.want_on;
+  std::vector<Planned> plan = plan_runs(o, grid, w, out.skipped);
+  prepare_data(o, rows_per_req, data, progress);
+  for (auto& p : plan)
+    if (p.listed) {
+      p.report = static_cast<int>(out.reports.size());
+      ConfigReport r;
+      r.combo = p.combo;
+      r.rc = p.rc;
+      r.recall_per_head.assign(static_cast<std::size_t>(w.H), 0.0);
+      out.reports.push_back(r);
     }
-    if (!dt.empty()) os << "decode us/rank: " << dt << "\n";
-    if (!pt.empty()) os << "prefill us/rank: " << pt << "\n";
+  // the group (as a rank): formed once the arguments and data are known to be good
+  std::unique_ptr<nccl::NcclCommunicator> group;
+  if (place.as_rank()) {
+    progress("joining the TP" + std::to_string(env->world) + " group (rank " + std::to_string(env->rank) + ", GPU " +
+             std::to_string(env->device) + ")");
+    group = nccl::make_communicator(*env);  // also makes env->device the current device
   }
-  for (const auto& s : skipped)
-    os << "skipped: " << s["kv_dtype"].get<std::string>() << " P" << s["page_size"].get<int>() << " TP"
-       << s["tp"].get<int>() << " sharding " << s["sharding"].get<std::string>() << ": "
-       << s["reason"].get<std::string>() << "\n";
-  if (sharded_runs > 0) {
-    os << "\nsharded selections " << (all_equal ? "equal" : "DIFFER FROM") << " the replicated ones"
-       << (all_equal ? " in every configuration" : "") << " (bit for bit, every prefill and decode step)\n";
-  } else {
-    bool any_on = false;
-    for (const auto& r : reports) any_on = any_on || r.combo.on;
-    const std::string why = !want_on ? "--sharding off"
-                            : any_on ? "sharding on is a no-op at TP1: one rank keeps the whole cache"
-                                     : "the policy refused every sharding-on configuration";
-    os << "\nno sharded configuration ran (" << why << "); the replicated selections "
-       << (all_equal ? "agree" : "DIFFER") << " across the configurations of each kv_dtype\n";
-  }
-  os << "capacity, minimax-m3 at " << fmt("%g", o.capacity_budget_gib) << " GiB per rank, TP2 P128, NVFP4 KV + index: "
-     << fmt_int(cap.off.tokens) << " tokens with sharding off, " << fmt_int(cap.on.tokens) << " on ("
-     << (cap.off.tokens ? "x" + fmt("%.3f", cap.ratio()) : std::string("no ratio: fewer than one page fits")) << ")\n";
+  run_layers(o, plan, rows_per_req, data, w, group.get(), out, progress);
 
-  if (as_rank) {
-    // this rank's outcome for the launcher's merged report ($INDEXCP_REPORT_DIR/rank<r>.json)
-    if (const char* dir = detail::knob_env("INDEXCP_REPORT_DIR"); dir && *dir) {
-      json rr = {{"rank", env->rank}, {"cuda_device", env->device}, {"all_selections_equal_replicated", all_equal},
-                 {"configs", json::array()}};
-      for (const auto& c : configs)
-        rr["configs"].push_back({{"kv_dtype", c["kv_dtype"]}, {"page_size", c["page_size"]}, {"tp", c["tp"]},
-                                 {"sharding", c["sharding"]}, {"selections_equal_replicated", c["selections_equal_replicated"]},
-                                 {"us_per_layer_per_rank", c["us_per_layer_per_rank"]},
-                                 {"prefill_us_per_layer_per_rank", c["prefill_us_per_layer_per_rank"]}});
-      write_file_atomic(std::string(dir) + "/rank" + std::to_string(env->rank) + ".json", detail::dump_text(rr) + "\n");
-    }
+  const json report = run_report(o, data, w, out, place, t_start);
+  const std::string table = run_table(o, data, w, out, place, report);
+  if (place.as_rank()) {
+    write_rank_report(place, report);
     group->finalize();
   }
-  const bool lead = !as_rank || env->rank == 0;
+  const bool all_equal = report["all_selections_equal_replicated"].get<bool>();
+  const bool lead = !place.as_rank() || place.rank == 0;
   if (lead && !o.json_path.empty()) write_file_atomic(o.json_path, detail::dump_text(report, 2) + "\n");
-  if (lead) std::cout << os.str() << std::flush;
+  if (lead) std::cout << table << std::flush;
   progress("done in " + fmt("%.1f s", now_s() - t_start));
   if (!all_equal) {  // the failure's one error line, last
     std::string which;
-    for (const auto& r : reports)
+    for (const auto& r : out.reports)
       if (!r.equal) {
         which = combo_name(r.combo);
         break;
@@ -856,5 +486,97 @@ int run_command(const RunOptions& opts) {
   }
   return all_equal ? 0 : 3;
 }
+
+namespace {
+
+class RunCommand final : public Subcommand {
+ public:
+  CLI::App* add(CLI::App& app) override {
+    RunOptions& ro = o_;
+    CLI::App* run = nullptr;
+    run = app.add_subcommand("run", "The main job: an end-to-end indexer workload over real keys and queries, for "
+                                          "every accepted kv dtype x page size x TP x sharding");
+    run->add_option("--backend", ro.backend, "cpu, cuda or auto (the GPU when one is present)")
+        ->check(CLI::IsMember({"cpu", "cuda", "auto"}))
+        ->capture_default_str();
+    run->add_option("--data", ro.data_dir,
+                    "data directory with keys.npy, queries.npy and meta.json (default: the embedded data, found "
+                    "beside the installed binary (../share/indexcp/data/minilm_stdlib), in a data/minilm_stdlib above "
+                    "it, or in the checkout it was built from)")
+        ->check(non_empty_path());
+    run->add_option("--keys", ro.keys_file, "index keys: float16/float32 .npy [requests, tokens, 128]")
+        ->check(non_empty_path());
+    run->add_option("--queries", ro.queries_file,
+                    "index queries: float16/float32 .npy [requests, positions, heads, 128] for the LAST `positions` "
+                    "positions of each request")
+        ->check(non_empty_path());
+    run->add_flag("--synthetic", ro.synthetic, "use synthetic data (never the default)");
+    run->add_option("--seed", ro.seed, "seed of the synthetic data")->capture_default_str();
+    run->add_option("--requests", ro.requests, "requests to use (default: all the data holds; 4 synthetic)")
+        ->check(CLI::Range(1, 4096));
+    run->add_option("--tokens", ro.tokens,
+                    "tokens per request, L (default: all the data holds; 33024 synthetic); below the data's length the "
+                    "last L tokens are used")
+        ->check(CLI::Range(1, 1 << 26));
+    run->add_option("--prefill-tokens", ro.prefill_tokens, "tokens of the final prefill chunk per request")
+        ->check(CLI::Range(0, 1 << 20))
+        ->capture_default_str();
+    run->add_option("--steps", ro.steps, "decode steps")->check(CLI::Range(0, 1 << 16))->capture_default_str();
+    run->add_option("--query-len", ro.query_len, "queries per request per decode step (1..16)")
+        ->check(CLI::Range(1, 16))
+        ->capture_default_str();
+    run->add_option("--layers", ro.layers, "layers to run (real data: the same layer's data each time)")
+        ->check(CLI::Range(1, 64))
+        ->capture_default_str();
+    heads_ = run->add_option("--heads", ro.heads, "index heads of synthetic data (real data: the queries' heads)")
+                      ->check(CLI::Range(1, 64))
+                      ->capture_default_str();
+    run->add_option("--topk", ro.topk, "blocks selected per row and head")->check(CLI::Range(2, 1024))->capture_default_str();
+    run->add_option("--kv-dtype", ro.kv_dtypes, "index cache dtypes")
+        ->delimiter(',')
+        ->check(CLI::IsMember({"nvfp4", "fp8", "bf16"}))
+        ->capture_default_str();
+    run->add_option("--page-size", ro.page_sizes, "page sizes")
+        ->delimiter(',')
+        ->check(CLI::IsMember({128, 256}))
+        ->capture_default_str();
+    tps_ = run->add_option("--tp", ro.tps, "tensor-parallel sizes (as a rank of `indexcp launch --tp W`: W)")
+        ->delimiter(',')
+        ->check(CLI::IsMember({1, 2, 4, 8}))
+        ->capture_default_str();
+    run->add_option("--sharding", ro.shardings, "index cache sharding")
+        ->delimiter(',')
+        ->check(CLI::IsMember({"off", "on"}))
+        ->capture_default_str();
+    run->add_option("--capacity-budget-gib", ro.capacity_budget_gib,
+                    "memory budget per rank for the report's capacity section (minimax-m3, TP2 P128, NVFP4); "
+                    "> 0, at most 1048576")
+        ->capture_default_str();
+    run->add_option("--json", ro.json_path, "write the report as JSON to FILE")->check(non_empty_path());
+    run->add_flag("-q,--quiet", ro.quiet, "no progress lines on stderr");
+    run->footer(
+        "Per request of L tokens: positions 0 .. L-C-S*Q-1 are inserted directly, the next C (--prefill-tokens) are "
+        "inserted and prefilled as one chunk (gather mode when sharded), then S (--steps) decode steps each insert Q "
+        "(--query-len) tokens and decode them. The default real data has 33024 tokens per request and queries for the "
+        "last 256 positions, so C + S*Q must be <= 256 (default 128 + 3*8 = 152: 32872 tokens inserted directly). "
+        "Sharding-on selections are compared bit for bit with the sharding-off run of the same dtype, P and TP; "
+        "recall_vs_fp32 compares with a selection from unquantized keys scored in double. Exit status 3 if any "
+        "sharded selection differs.");
+    return run;
+  }
+  int run(int, char**) override {
+    o_.heads_given = heads_->count() > 0;
+    o_.tps_given = tps_->count() > 0;
+    return run_command(o_);
+  }
+
+ private:
+  RunOptions o_;
+  CLI::Option *heads_ = nullptr, *tps_ = nullptr;
+};
+
+}  // namespace
+
+INDEXCP_SUBCOMMAND(10, "run", RunCommand)
 
 }  // namespace indexcp::cli

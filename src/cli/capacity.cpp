@@ -1,11 +1,9 @@
-// `indexcp capacity`, `indexcp config`, and the small file helpers of the command.
-#include <unistd.h>
+// `indexcp capacity`: KV-cache capacity in tokens with index-cache sharding off and on.
+#include <CLI/CLI.hpp>
 
-#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <iostream>
 #include <sstream>
 
@@ -17,6 +15,8 @@
 #include "indexcp/capacity.hpp"
 #include "indexcp/config.hpp"
 #include "indexcp/error.hpp"
+#include "subcommand.hpp"
+#include "validators.hpp"
 
 namespace indexcp::cli {
 
@@ -24,6 +24,16 @@ namespace fs = std::filesystem;
 using json = nlohmann::json;
 
 namespace {
+
+struct CapacityOptions {
+  std::string model = "minimax-m3";
+  double budget_gib = 100.0;
+  std::string budget_bytes;  ///< --budget-bytes as typed, parsed by the command (overrides budget_gib)
+  bool budget_bytes_given = false;
+  std::string kv_dtype = "nvfp4", index_dtype = "nvfp4";
+  int32_t tp = 2, page_size = 128;
+  std::string json_path;
+};
 
 // The upstream design's reference point (spec/config.md section 3).
 constexpr int64_t kUpstreamOff = 5492736;
@@ -45,77 +55,6 @@ ModelDesc load_model(const std::string& m) {
 }
 
 }  // namespace
-
-void check_output_path(const std::string& path, const std::string& flag) {
-  if (path.empty()) throw Error(ErrorCode::kInvalidArgument, flag + ": empty file name");
-  std::error_code ec;
-  const fs::path p(path);
-  if (fs::is_directory(p, ec)) throw Error(ErrorCode::kInvalidArgument, path + ": is a directory (" + flag + ")");
-  const fs::path dir = p.parent_path().empty() ? fs::path(".") : p.parent_path();
-  if (!fs::is_directory(dir, ec))
-    throw Error(ErrorCode::kInvalidArgument, path + ": directory " + dir.string() + " does not exist (" + flag + ")");
-}
-
-void write_file_atomic(const std::string& path, const std::string& text) {
-  const fs::path p(path);
-  std::error_code sec;
-  const fs::file_status lst = fs::symlink_status(p, sec);
-  if (!sec && fs::exists(lst) && !fs::is_regular_file(lst)) {
-    // a symlink, device (/dev/null), FIFO...: write through it, never replace it
-    std::ofstream out(path, std::ios::binary | std::ios::trunc);
-    if (!out) throw Error(ErrorCode::kIo, path + ": cannot open for writing");
-    out << text;
-    out.close();
-    if (!out) throw Error(ErrorCode::kIo, path + ": write error");
-    return;
-  }
-  std::string tmp_name(1, '.');  // (built in steps: GCC 12 warns falsely on "." + string)
-  tmp_name += p.filename().string();
-  tmp_name += ".tmp";
-  tmp_name += std::to_string(::getpid());
-  const fs::path tmp = p.parent_path() / tmp_name;
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) throw Error(ErrorCode::kIo, path + ": cannot open for writing");
-    out << text;
-    out.close();
-    if (!out) {
-      std::error_code ec;
-      fs::remove(tmp, ec);
-      throw Error(ErrorCode::kIo, path + ": write error");
-    }
-  }
-  std::error_code ec;
-  fs::rename(tmp, p, ec);
-  if (ec) {
-    std::error_code ec2;
-    fs::remove(tmp, ec2);
-    throw Error(ErrorCode::kIo, path + ": cannot write (" + ec.message() + ")");
-  }
-}
-
-int64_t budget_bytes_from_gib(double gib, const std::string& flag) {
-  const std::string limits = " must be > 0 and at most " + fmt("%.0f", kMaxBudgetGib) + " (GiB per rank)";
-  if (!std::isfinite(gib) || !(gib > 0) || gib > kMaxBudgetGib)
-    throw Error(ErrorCode::kInvalidArgument, flag + " = " + fmt("%g", gib) + limits);
-  const int64_t bytes = static_cast<int64_t>(std::llround(gib * 1073741824.0));
-  if (bytes < 1)
-    throw Error(ErrorCode::kInvalidArgument, flag + " = " + fmt("%g", gib) + " is less than one byte;" + limits);
-  return bytes;
-}
-
-int64_t parse_budget_bytes(const std::string& text, const std::string& flag) {
-  int64_t bytes = 0;
-  const char* end = text.data() + text.size();
-  const auto [ptr, ec] = std::from_chars(text.data(), end, bytes);
-  const bool digits = !text.empty() && text.find_first_not_of("-0123456789") == std::string::npos;
-  if (!digits || (ec != std::errc() && ec != std::errc::result_out_of_range) || (ec == std::errc() && ptr != end))
-    throw Error(ErrorCode::kInvalidArgument, flag + " = " + text + " is not a whole number of bytes");
-  if (ec == std::errc::result_out_of_range || bytes < 1 || bytes > kMaxBudgetBytes)
-    throw Error(ErrorCode::kInvalidArgument, flag + " = " + text + " must be > 0 and at most " +
-                                                 std::to_string(kMaxBudgetBytes) + " (1 PiB per rank)");
-  return bytes;
-}
 
 std::string upstream_reference_note(const std::string& model, int64_t budget_bytes) {
   const ModelDesc m = load_model(model);
@@ -140,6 +79,8 @@ std::string upstream_reference_note(const std::string& model, int64_t budget_byt
     s += "; page rounding moves the ratio by < 0.01%";
   return s;
 }
+
+namespace {
 
 int capacity_command(const CapacityOptions& o) {
   const int64_t budget = o.budget_bytes_given ? parse_budget_bytes(o.budget_bytes, "--budget-bytes")
@@ -206,43 +147,43 @@ int capacity_command(const CapacityOptions& o) {
   return 0;
 }
 
-int config_command(const ConfigOptions& o) {
-  std::string text = o.attention_config;
-  if (!text.empty() && text[0] == '@') {
-    if (text.size() == 1) throw Error(ErrorCode::kInvalidArgument, "--attention-config: \"@\" needs a file name (@FILE)");
-    text = detail::read_text_file(text.substr(1), "--attention-config");
+class CapacityCommand final : public Subcommand {
+ public:
+  CLI::App* add(CLI::App& app) override {
+    CapacityOptions& co = o_;
+    auto* cap = app.add_subcommand("capacity", "KV-cache capacity in tokens with index-cache sharding off and on");
+    cap->add_option("--model", co.model, "built-in model name (minimax-m3) or a model JSON file")->capture_default_str();
+    // (the limits are checked by the command, with one message: commands.hpp kMaxBudgetBytes)
+    auto* gib = cap->add_option("--budget-gib", co.budget_gib, "KV-cache memory budget per rank in GiB (> 0, at most 1048576)")
+                    ->capture_default_str();
+    bytes_ = cap->add_option("--budget-bytes", co.budget_bytes,
+                             "KV-cache memory budget per rank in bytes (> 0, at most 2^50)");
+    gib->excludes(bytes_);
+    cap->add_option("--kv-dtype", co.kv_dtype, "KV cache dtype")
+        ->check(CLI::IsMember({"bf16", "fp8", "nvfp4"}))
+        ->capture_default_str();
+    cap->add_option("--index-dtype", co.index_dtype, "index cache dtype")
+        ->check(CLI::IsMember({"bf16", "fp8", "nvfp4"}))
+        ->capture_default_str();
+    cap->add_option("--tp", co.tp, "tensor-parallel size")->check(CLI::IsMember({1, 2, 4, 8}))->capture_default_str();
+    cap->add_option("--page-size", co.page_size, "page size (engines' --block-size)")
+        ->check(CLI::IsMember({128, 256}))
+        ->capture_default_str();
+    cap->add_option("--json", co.json_path, "also write the plan as JSON to FILE")->check(non_empty_path());
+    return cap;
   }
-  AttentionConfig ac;
-  try {
-    ac = AttentionConfig::from_json(text);
-  } catch (const Error& e) {
-    throw Error(e.code(), std::string("--attention-config: ") + e.what());
+  int run(int, char**) override {
+    o_.budget_bytes_given = bytes_->count() > 0;
+    return capacity_command(o_);
   }
-  EngineParams ep;
-  ep.tp = o.tp;
-  ep.page_size = o.page_size;
-  ep.heads = o.heads;
-  ep.query_len = o.query_len;
-  ep.speculative_method = o.speculative_method;
-  ep.kv_connector = o.kv_connector;
-  const ResolvedConfig rc = resolve_config(ac, ep);
-  std::cout << rc.to_json() << std::endl;
-  return 0;
-}
 
-std::string fmt_int(int64_t v) {
-  std::string s = std::to_string(v < 0 ? -v : v), out;
-  for (std::size_t i = 0; i < s.size(); ++i) {
-    if (i && (s.size() - i) % 3 == 0) out += ',';
-    out += s[i];
-  }
-  return (v < 0 ? "-" : "") + out;
-}
+ private:
+  CapacityOptions o_;
+  CLI::Option* bytes_ = nullptr;
+};
 
-std::string fmt(const char* f, double v) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, f, v);
-  return buf;
-}
+}  // namespace
+
+INDEXCP_SUBCOMMAND(30, "capacity", CapacityCommand)
 
 }  // namespace indexcp::cli
