@@ -1,12 +1,21 @@
 // The collectives' contract in the in-process group (comm.hpp, src/comm/rank_barrier.hpp): ranks
 // that disagree on a collective's byte count or call get an Error on every rank (no crash, no
 // read out of bounds: these run under ASan in CI), a rank that returns while another waits ends
-// the wait with an Error, and the group keeps working after a refused collective.
+// the wait with an Error, and the group keeps working after a refused collective. The lifetime
+// of the rank barrier both simulated groups (host and device) share: destroyed while a rank waits
+// in a collective, it ends that wait before it frees anything; an abort does not release a rank
+// from leave while a peer may still read its send buffer.
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
+#include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
+
+#include "comm/rank_barrier.hpp"
 
 #include "indexcp/comm.hpp"
 #include "indexcp/error.hpp"
@@ -126,5 +135,113 @@ TEST(Collectives, IcpDecodeRanksThatDisagreeGetAnError) {
       EXPECT_FALSE(msg[r].empty()) << c.what << ": rank " << r << " returned without an error";
       EXPECT_TRUE(msg[r].find("all_gather") != std::string::npos) << c.what << ": " << msg[r];
     }
+  }
+}
+
+// ---- the barrier's lifetime (src/comm/rank_barrier.hpp; docs/decisions.md)
+
+namespace {
+
+// Waits (up to 20 s) until `pred` holds.
+template <class Pred>
+bool eventually(Pred pred) {
+  for (int i = 0; i < 20000 && !pred(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  return pred();
+}
+
+}  // namespace
+
+TEST(RankBarrierLifetime, DestroyedWhileARankWaitsInEnterEndsTheWaitFirst) {
+  // What ~InProcessGroup and ~DeviceGroup do (close) when a rank still waits: without close the
+  // rank would wait on a freed condition variable (ASan: heap-use-after-free, or a hang).
+  auto barrier = std::make_unique<detail::RankBarrier>(2);
+  std::atomic<bool> inside{false};
+  std::string what;
+  int x = 1;
+  std::thread rank0([&] {
+    const detail::RankBarrier::Use use(*barrier);
+    inside = true;
+    try {
+      barrier->enter(0, "all_gather", &x, sizeof x);
+      what = "returned";
+    } catch (const Error& e) {
+      what = e.what();
+    }
+  });
+  ASSERT_TRUE(eventually([&] { return inside.load(); }));
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // (let it reach the wait; correct either way)
+  barrier.reset();  // close(): abort, then wait until rank 0 has let go
+  rank0.join();
+  EXPECT_NE(what.find("communicator aborted"), std::string::npos) << what;
+}
+
+TEST(RankBarrierLifetime, CloseWaitsForEveryUse) {
+  detail::RankBarrier barrier(2);
+  std::atomic<bool> closed{false};
+  auto use = std::make_unique<detail::RankBarrier::Use>(barrier);
+  EXPECT_EQ(barrier.users(), 1);
+  std::thread closer([&] {
+    barrier.close();
+    closed = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_FALSE(closed.load()) << "close() returned while a rank held a Use";
+  use.reset();
+  closer.join();
+  EXPECT_TRUE(closed.load());
+  EXPECT_EQ(barrier.users(), 0);
+  int x = 0;
+  try {
+    barrier.enter(0, "all_gather", &x, sizeof x);
+    ADD_FAILURE() << "enter on a closed barrier returned";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("communicator aborted"), std::string::npos) << e.what();
+  }
+}
+
+TEST(RankBarrierLifetime, AbortDoesNotReleaseARankFromLeave) {
+  // Both ranks passed enter; rank 0 waits in leave while rank 1 may still read rank 0's send
+  // buffer. An abort must not let rank 0 return (and free the buffer) before rank 1 arrives.
+  detail::RankBarrier barrier(2);
+  int a = 1, b = 2;
+  std::atomic<bool> left0{false};
+  std::thread rank0([&] {
+    barrier.enter(0, "all_gather", &a, sizeof a);
+    barrier.leave();
+    left0 = true;
+  });
+  barrier.enter(1, "all_gather", &b, sizeof b);
+  EXPECT_EQ(*static_cast<const int*>(barrier.ptr(0)), 1);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // rank 0 reaches leave
+  barrier.abort();
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_FALSE(left0.load()) << "the abort released rank 0 from leave while rank 1 still read its buffer";
+  EXPECT_EQ(*static_cast<const int*>(barrier.ptr(0)), 1);  // rank 1 reads rank 0's buffer
+  barrier.leave();
+  rank0.join();
+  EXPECT_TRUE(left0.load());
+}
+
+TEST(RankBarrierLifetime, AGroupDestroyedAfterAFailedRankIsSafe) {
+  // run_ranks: rank 1 fails before the collective rank 0 and 2 wait in; the group aborts, every
+  // rank thread is joined before the group is destroyed (ASan checks the rest).
+  for (int rep = 0; rep < 20; ++rep) {
+    std::atomic<int> aborted{0};
+    try {
+      run_ranks(3, [&](int r, Communicator& comm) {
+        if (r == 1) throw Error(ErrorCode::kInvalidArgument, "rank 1 failed");
+        int x = r, y[3];
+        try {
+          comm.all_gather(&x, y, sizeof x, nullptr);
+        } catch (const Error& e) {
+          if (std::string(e.what()).find("communicator aborted") != std::string::npos) ++aborted;
+          throw;
+        }
+      });
+      ADD_FAILURE() << "run_ranks returned";
+    } catch (const Error& e) {
+      EXPECT_STREQ(e.what(), "rank 1 failed");
+    }
+    EXPECT_EQ(aborted.load(), 2);  // ranks 0 and 2, whether they entered before the abort or after
   }
 }

@@ -46,6 +46,9 @@ class InProcessGroup {
  public:
   /// world in 1..64, else Error naming world.
   explicit InProcessGroup(int world);
+  /// Aborts the group and waits until no rank is inside a collective before freeing it: a rank
+  /// still waiting gets Error("communicator aborted"). A rank must not start a collective on a
+  /// group being destroyed.
   ~InProcessGroup();
   InProcessGroup(const InProcessGroup&) = delete;
   InProcessGroup& operator=(const InProcessGroup&) = delete;

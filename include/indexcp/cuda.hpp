@@ -381,6 +381,7 @@ class PrefillPlan {
 class DeviceGroup {
  public:
   explicit DeviceGroup(int world);  ///< world 1..64, else Error naming world
+  /// As ~InProcessGroup: aborts, waits until no rank is inside a collective, then frees the events.
   ~DeviceGroup();
   DeviceGroup(const DeviceGroup&) = delete;
   DeviceGroup& operator=(const DeviceGroup&) = delete;

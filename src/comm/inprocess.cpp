@@ -12,6 +12,7 @@
 #include "indexcp/comm.hpp"
 #include "indexcp/error.hpp"
 #include "rank_barrier.hpp"
+#include "rank_threads.hpp"
 
 namespace indexcp {
 
@@ -32,6 +33,7 @@ class InProcessComm final : public Communicator {
   std::size_t bytes_sent() const override { return sent_; }
 
   void all_gather(const void* send, void* recv, std::size_t bytes, void*) override {
+    const detail::RankBarrier::Use use(s_->barrier);
     s_->barrier.enter(rank_, "all_gather", send, bytes);
     for (int p = 0; p < s_->world; ++p)
       if (bytes) std::memcpy(static_cast<char*>(recv) + p * bytes, s_->barrier.ptr(p), bytes);
@@ -40,6 +42,7 @@ class InProcessComm final : public Communicator {
   }
 
   void all_to_all(const void* send, void* recv, std::size_t bytes, void*) override {
+    const detail::RankBarrier::Use use(s_->barrier);
     s_->barrier.enter(rank_, "all_to_all", send, bytes);
     for (int p = 0; p < s_->world; ++p)
       if (bytes)
@@ -63,7 +66,7 @@ InProcessGroup::InProcessGroup(int world) {
   for (int r = 0; r < world; ++r) state_->comms.push_back(std::make_unique<InProcessComm>(state_.get(), r));
 }
 
-InProcessGroup::~InProcessGroup() = default;
+InProcessGroup::~InProcessGroup() { state_->barrier.close(); }
 
 int InProcessGroup::world() const { return state_->world; }
 
@@ -82,30 +85,22 @@ void InProcessGroup::depart(int r) {
 void run_ranks(int world, const std::function<void(int, Communicator&)>& fn) {
   InProcessGroup group(world);
   std::vector<std::exception_ptr> errors(static_cast<size_t>(world));
-  std::vector<std::thread> threads;
-  threads.reserve(static_cast<size_t>(world));
   // Share the cores among the ranks: each rank's parallel regions get cores / world threads, so
   // W ranks never oversubscribe the machine (OpenMP threads spin at barriers).
   const int per_rank = std::max(1, omp_get_max_threads() / world);
-  for (int r = 0; r < world; ++r) {
-    try {
-      threads.emplace_back([&, r] {
-      omp_set_num_threads(per_rank);
-      try {
-        fn(r, group.comm(r));
-        group.depart(r);  // peers still waiting in a collective get an Error
-      } catch (...) {
-        errors[static_cast<size_t>(r)] = std::current_exception();
-        group.abort();
-      }
-      });
-    } catch (const std::system_error& e) {  // could not start a thread: stop the others
-      group.abort();
-      for (auto& t : threads) t.join();
-      throw Error(ErrorCode::kRuntime, std::string("run_ranks could not start rank ") + std::to_string(r) + ": " + e.what());
-    }
-  }
-  for (auto& t : threads) t.join();
+  detail::run_rank_threads(
+      world, "run_ranks",
+      [&](int r) {
+        omp_set_num_threads(per_rank);
+        try {
+          fn(r, group.comm(r));
+          group.depart(r);  // peers still waiting in a collective get an Error
+        } catch (...) {
+          errors[static_cast<size_t>(r)] = std::current_exception();
+          group.abort();
+        }
+      },
+      [&] { group.abort(); });
   rethrow_rank_errors(errors);
 }
 

@@ -9,6 +9,15 @@
 // (the group sees all of them, so the check costs nothing); a rank that returns from run_ranks /
 // run_device_ranks while another waits in a collective (it made fewer calls) ends that wait with
 // an Error naming both; abort() ends every pending and future wait with "communicator aborted".
+//
+// Lifetime (docs/decisions.md, "A group destroyed while ranks wait"): a rank holds a Use for the
+// whole of a collective, from before enter to its last touch of the group's memory (the device
+// group's events are used after leave). close(), called by the destructor and by the groups'
+// destructors before they free anything else, aborts and then waits until no rank holds a Use, so
+// a group destroyed while a rank still waits in a collective ends that wait with an Error instead
+// of freeing the mutex, the condition variable or the events under it. A rank waiting in leave is
+// not released by the abort (see leave); it is released when its peers arrive, which every rank
+// that passed enter does.
 #pragma once
 
 #include <condition_variable>
@@ -27,7 +36,29 @@ class RankBarrier {
       : world_(world), ptrs_(static_cast<size_t>(world), nullptr), sizes_(static_cast<size_t>(world), 0),
         calls_(static_cast<size_t>(world), nullptr) {}
 
+  ~RankBarrier() { close(); }
+  RankBarrier(const RankBarrier&) = delete;
+  RankBarrier& operator=(const RankBarrier&) = delete;
+
   int world() const { return world_; }
+
+  /// A rank's hold on the group for one collective (see the lifetime note above).
+  class Use {
+   public:
+    explicit Use(RankBarrier& b) : b_(b) {
+      std::lock_guard<std::mutex> lk(b_.mu_);
+      ++b_.users_;
+    }
+    ~Use() {
+      std::lock_guard<std::mutex> lk(b_.mu_);
+      if (--b_.users_ == 0) b_.cv_.notify_all();
+    }
+    Use(const Use&) = delete;
+    Use& operator=(const Use&) = delete;
+
+   private:
+    RankBarrier& b_;
+  };
 
   /// The first meeting of a collective: throws Error when the group was aborted, a rank has
   /// departed, or the ranks disagree on the call or its byte count (every rank throws the same
@@ -76,6 +107,20 @@ class RankBarrier {
     cv_.notify_all();
   }
 
+  /// abort(), then waits until no rank holds a Use: afterwards the group's memory may be freed.
+  void close() {
+    std::unique_lock<std::mutex> lk(mu_);
+    aborted_ = true;
+    cv_.notify_all();
+    cv_.wait(lk, [&] { return users_ == 0; });
+  }
+
+  /// Ranks holding a Use now (tests).
+  int users() {
+    std::lock_guard<std::mutex> lk(mu_);
+    return users_;
+  }
+
   /// Rank `rank` returned from its function without an error: a collective that another rank
   /// waits in, or enters later, can never complete.
   void depart(int rank) {
@@ -115,6 +160,7 @@ class RankBarrier {
   uint64_t generation_ = 0;
   bool aborted_ = false;
   int departed_ = -1;
+  int users_ = 0;
   std::string verdict_;
   std::vector<const void*> ptrs_;
   std::vector<std::size_t> sizes_;

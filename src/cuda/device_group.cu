@@ -17,6 +17,7 @@
 #include "launches.cuh"
 #include "plan.cuh"
 #include "comm/rank_barrier.hpp"
+#include "comm/rank_threads.hpp"
 #include "boundary.cuh"
 
 namespace indexcp::cuda {
@@ -42,11 +43,14 @@ class DeviceComm final : public Communicator {
   int world() const override { return s_->world; }
   std::size_t bytes_sent() const override { return sent_; }
 
+  // (the Use spans the events used after leave and the byte count)
   void all_gather(const void* send, void* recv, std::size_t bytes, void* stream) override {
+    const indexcp::detail::RankBarrier::Use use(s_->barrier);
     exchange(send, recv, bytes, stream, false);
     sent_ += bytes;
   }
   void all_to_all(const void* send, void* recv, std::size_t bytes, void* stream) override {
+    const indexcp::detail::RankBarrier::Use use(s_->barrier);
     exchange(send, recv, bytes, stream, true);
     sent_ += bytes * s_->world;
   }
@@ -97,6 +101,7 @@ DeviceGroup::DeviceGroup(int world) {
 }
 
 DeviceGroup::~DeviceGroup() {
+  state_->barrier.close();  // no rank still uses the events
   for (auto e : state_->ready) cudaEventDestroy(e);
   for (auto e : state_->done) cudaEventDestroy(e);
 }
@@ -120,27 +125,26 @@ void run_device_ranks(int world, const std::function<void(int, Communicator&, St
   INDEXCP_CUDA_CHECK(cudaGetDevice(&dev));
   DeviceGroup group(world);
   std::vector<std::exception_ptr> errors(static_cast<size_t>(world));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      cudaStream_t st = nullptr;
-      try {
-        check(cudaSetDevice(dev), "cudaSetDevice");
-        check(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "cudaStreamCreate");
-        fn(r, group.comm(r), reinterpret_cast<Stream>(st));
-        group.depart(r);  // peers still waiting in a collective get an Error
-        check(cudaStreamSynchronize(st), "cudaStreamSynchronize (rank)");
-      } catch (...) {
-        errors[static_cast<size_t>(r)] = std::current_exception();
-        group.abort();
-      }
-      if (st) {
-        cudaStreamSynchronize(st);
-        cudaStreamDestroy(st);
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
+  indexcp::detail::run_rank_threads(
+      world, "run_device_ranks",
+      [&](int r) {
+        cudaStream_t st = nullptr;
+        try {
+          check(cudaSetDevice(dev), "cudaSetDevice");
+          check(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "cudaStreamCreate");
+          fn(r, group.comm(r), reinterpret_cast<Stream>(st));
+          group.depart(r);  // peers still waiting in a collective get an Error
+          check(cudaStreamSynchronize(st), "cudaStreamSynchronize (rank)");
+        } catch (...) {
+          errors[static_cast<size_t>(r)] = std::current_exception();
+          group.abort();
+        }
+        if (st) {
+          cudaStreamSynchronize(st);
+          cudaStreamDestroy(st);
+        }
+      },
+      [&] { group.abort(); });
   rethrow_rank_errors(errors);
 }
 
