@@ -2,9 +2,14 @@
 // core is backend-neutral and includes only the public headers and itself; the backends (cpu,
 // cuda) build on core and never on each other (cuda uses comm's rank barrier for its device
 // group); the tools (io, bench, cli) sit on top. A new include across the layers fails this test.
-// Not enforced by the build yet (every folder compiles with src/ on its include path), and only
-// includes are checked: cuda also calls the CPU backend's definitions of some public functions
-// (IndexCache, gather_unit_bytes) through the public headers.
+// The build enforces the same table (cmake/indexcpLayers.cmake): each folder compiles with only
+// the folders it may include on its include path (layers/<folder>/ in the build tree, one link per
+// allowed folder, instead of src/), so a new include across the layers does not compile either;
+// the layers.include_path.<folder> tests probe those include paths, and
+// Layers.BuildTableMatchesThisTable keeps the build's copy of the table equal to kAllowed. Only
+// includes are checked: an include through ".." is refused here (an include path cannot stop it),
+// and cuda also calls the CPU backend's definitions of some public functions (IndexCache,
+// gather_unit_bytes) through the public headers.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -56,6 +61,24 @@ TEST(Layers, IncludesFollowTheLayers) {
     }
   }
   EXPECT_GT(files, 40);
+}
+
+// cmake/indexcpLayers.cmake states the table for the build as
+// set(INDEXCP_LAYER_ALLOWED_<folder> <folders>...) (the public headers are always on the path).
+TEST(Layers, BuildTableMatchesThisTable) {
+  std::ifstream in(fs::path(INDEXCP_SOURCE_DIR) / "cmake" / "indexcpLayers.cmake");
+  ASSERT_TRUE(in) << "cmake/indexcpLayers.cmake not found";
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::regex row(R"re(\nset\(INDEXCP_LAYER_ALLOWED_(\w+)((?: \w+)+)\))re");
+  const std::regex word(R"(\w+)");
+  std::map<std::string, std::set<std::string>> build;
+  for (std::sregex_iterator it(text.begin(), text.end(), row), end; it != end; ++it) {
+    std::set<std::string> to = {"indexcp"};
+    const std::string list = (*it)[2].str();
+    for (std::sregex_iterator w(list.begin(), list.end(), word), wend; w != wend; ++w) to.insert(w->str());
+    EXPECT_TRUE(build.emplace((*it)[1].str(), to).second) << "INDEXCP_LAYER_ALLOWED_" << (*it)[1] << " set twice";
+  }
+  EXPECT_EQ(build, kAllowed);
 }
 
 }  // namespace
