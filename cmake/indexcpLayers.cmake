@@ -26,6 +26,10 @@ set(INDEXCP_LAYER_ALLOWED_nccl core nccl)
 set(INDEXCP_LAYER_ALLOWED_io core io)
 set(INDEXCP_LAYER_ALLOWED_bench core bench)
 set(INDEXCP_LAYER_ALLOWED_cli core bench cli)
+# Single files a folder may include from a folder it may not otherwise include (kAllowedFiles):
+# bench's device buffers are the backend's (src/cuda/device_buffer.cuh includes only the CUDA
+# runtime), linked as layers/bench/cuda/device_buffer.cuh.
+set(INDEXCP_LAYER_FILES_bench cuda/device_buffer.cuh)
 
 set(INDEXCP_LAYER_DIR ${PROJECT_BINARY_DIR}/layers)
 # Made again at every configure, so that a link the table no longer allows does not stay behind
@@ -36,9 +40,16 @@ foreach(_layer IN LISTS INDEXCP_LAYERS)
   foreach(_to IN LISTS INDEXCP_LAYER_ALLOWED_${_layer})
     file(CREATE_LINK ${PROJECT_SOURCE_DIR}/src/${_to} ${INDEXCP_LAYER_DIR}/${_layer}/${_to} SYMBOLIC)
   endforeach()
+  foreach(_file IN LISTS INDEXCP_LAYER_FILES_${_layer})
+    get_filename_component(_dir ${_file} DIRECTORY)
+    file(MAKE_DIRECTORY ${INDEXCP_LAYER_DIR}/${_layer}/${_dir})
+    file(CREATE_LINK ${PROJECT_SOURCE_DIR}/src/${_file} ${INDEXCP_LAYER_DIR}/${_layer}/${_file} SYMBOLIC)
+  endforeach()
 endforeach()
 unset(_layer)
 unset(_to)
+unset(_file)
+unset(_dir)
 
 # The project include directories of folder <layer>, in the place src/ had on the library's
 # include path (after the public headers).

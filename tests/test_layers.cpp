@@ -10,6 +10,9 @@
 // includes are checked: an include through ".." is refused here (an include path cannot stop it),
 // and cuda also calls the CPU backend's definitions of some public functions (IndexCache,
 // gather_unit_bytes) through the public headers.
+// One file is allowed across: bench's device buffers are the backend's DeviceBuffer
+// (cuda/device_buffer.cuh, the CUDA runtime only), so that src/ has one RAII device allocation
+// (kAllowedFiles; the build links that one file into layers/bench/cuda/).
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -34,6 +37,10 @@ const std::map<std::string, std::set<std::string>> kAllowed = {
     {"bench", {"indexcp", "core", "bench"}},
     {"cli", {"indexcp", "core", "bench", "cli"}},
 };
+// Single headers a folder may include from a layer it may not otherwise include.
+const std::map<std::string, std::set<std::string>> kAllowedFiles = {
+    {"bench", {"cuda/device_buffer.cuh"}},
+};
 
 TEST(Layers, IncludesFollowTheLayers) {
   const fs::path src = fs::path(INDEXCP_SOURCE_DIR) / "src";
@@ -56,6 +63,8 @@ TEST(Layers, IncludesFollowTheLayers) {
       if (slash == std::string::npos) continue;  // the folder's own header
       const std::string to = path.substr(0, slash);
       if (!fs::is_directory(src / to) && to != "indexcp") continue;  // a system or third-party path
+      const auto files_ok = kAllowedFiles.find(folder);
+      if (files_ok != kAllowedFiles.end() && files_ok->second.count(path)) continue;
       EXPECT_TRUE(allowed->second.count(to)) << "src/" << folder << " may not include \"" << path << "\" ("
                                              << e.path().filename().string() << ")";
     }
@@ -79,6 +88,30 @@ TEST(Layers, BuildTableMatchesThisTable) {
     EXPECT_TRUE(build.emplace((*it)[1].str(), to).second) << "INDEXCP_LAYER_ALLOWED_" << (*it)[1] << " set twice";
   }
   EXPECT_EQ(build, kAllowed);
+  // and the single files: set(INDEXCP_LAYER_FILES_<folder> <folder>/<file>...)
+  const std::regex files_row(R"re(\nset\(INDEXCP_LAYER_FILES_(\w+)((?: [\w./]+)+)\))re");
+  const std::regex file_word(R"([\w./]+)");
+  std::map<std::string, std::set<std::string>> build_files;
+  for (std::sregex_iterator it(text.begin(), text.end(), files_row), end; it != end; ++it) {
+    std::set<std::string> paths;
+    const std::string list = (*it)[2].str();
+    for (std::sregex_iterator w(list.begin(), list.end(), file_word), wend; w != wend; ++w) paths.insert(w->str());
+    build_files.emplace((*it)[1].str(), paths);
+  }
+  EXPECT_EQ(build_files, kAllowedFiles);
+}
+
+// A file allowed across the layers includes no project header, so it brings nothing else across.
+TEST(Layers, AllowedFilesIncludeNoProjectHeader) {
+  const fs::path src = fs::path(INDEXCP_SOURCE_DIR) / "src";
+  const std::regex inc(R"re(#\s*include\s+"([^"]+)")re");
+  for (const auto& [folder, paths] : kAllowedFiles)
+    for (const std::string& path : paths) {
+      std::ifstream in(src / path);
+      ASSERT_TRUE(in.good()) << "src/" << path << " (allowed for src/" << folder << ") does not exist";
+      const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      EXPECT_FALSE(std::regex_search(text, inc)) << "src/" << path << " includes a project header";
+    }
 }
 
 }  // namespace

@@ -32,7 +32,7 @@ void mkdirs(const std::string& p) {
 struct Pool {
   int32_t P = 128, max_pages = 0;
   std::vector<int32_t> bt;
-  std::unique_ptr<Buf<int32_t>> bt_dev;
+  std::unique_ptr<DeviceBuffer<int32_t>> bt_dev;
   std::unique_ptr<cuda::DeviceCache> repl;
   std::vector<std::unique_ptr<cuda::DeviceCache>> shards;
 };
@@ -45,14 +45,14 @@ std::unique_ptr<Pool> build_pool(KvDtype dt, int32_t P, int32_t W, int32_t max_r
   L->max_pages = (max_ctx + P - 1) / P;
   const int64_t num_pages = static_cast<int64_t>(max_req) * L->max_pages;
   L->bt = shuffled_block_table(num_pages, static_cast<uint32_t>(P));
-  L->bt_dev = std::make_unique<Buf<int32_t>>(L->bt);
+  L->bt_dev = std::make_unique<DeviceBuffer<int32_t>>(L->bt);
   L->repl = std::make_unique<cuda::DeviceCache>(make_page_layout(dt, P, 1), num_pages, 1, 0);
   for (int32_t r = 0; r < W; ++r)
     if (only_rank < 0 || r == only_rank)
       L->shards.push_back(std::make_unique<cuda::DeviceCache>(make_page_layout(dt, P, W), num_pages, 1, r));
   std::vector<cuda::DeviceCache*> all{L->repl.get()};
   for (auto& sh : L->shards) all.push_back(sh.get());
-  fill_caches(all, 0, max_req, max_ctx, L->bt_dev->p, L->max_pages, P, 0x1234567ull, st);
+  fill_caches(all, 0, max_req, max_ctx, L->bt_dev->get(), L->max_pages, P, 0x1234567ull, st);
   return L;
 }
 
@@ -71,8 +71,8 @@ void dump_pool(const std::string& dir, const Pool& L) {
 struct Cell {
   std::vector<int32_t> seq;
   std::vector<uint8_t> qh;
-  Buf<int32_t> seq_dev;
-  Buf<uint8_t> q_dev;
+  DeviceBuffer<int32_t> seq_dev;
+  DeviceBuffer<uint8_t> q_dev;
   DecodeBatch b;
   cuda::DecodeShape shape;
   Cell(const Pool& L, int32_t B, int32_t ctx, int32_t Q, int32_t H, KRounding mode)
@@ -80,12 +80,12 @@ struct Cell {
         qh(random_q(static_cast<size_t>(B) * Q * H * 128, static_cast<uint32_t>(B * 7919 + ctx))),
         seq_dev(seq),
         q_dev(qh) {
-    b.q = q_dev.p;
+    b.q = q_dev.get();
     b.heads = H;
-    b.block_table = L.bt_dev->p;
+    b.block_table = L.bt_dev->get();
     b.num_requests = B;
     b.max_pages = L.max_pages;
-    b.seq_lens = seq_dev.p;
+    b.seq_lens = seq_dev.get();
     b.query_len = Q;
     cuda::validate_decode_batch(b, L.repl->num_pages(), L.P);
     shape.max_requests = B;
@@ -155,10 +155,10 @@ bool decode(const DecodeOptions& o) {
         if (P == 256 && W == 2) icp_stock = std::make_unique<cuda::DecodeStep>(cs, W, 0, shape, cuda::DecodePath::kIcp, true);
         // Correctness of the cell first: the whole step of every path, all heads, compared.
         const size_t nsel = static_cast<size_t>(B) * Q * H * shape.sel.topk;
-        Buf<int32_t> o_rep(nsel), o_icp(nsel), o_stk(nsel);
-        rep.run(b, o_rep.p, sst);
-        icp_gen.run(b, o_icp.p, sst);
-        if (icp_stock) icp_stock->run(b, o_stk.p, sst);
+        DeviceBuffer<int32_t> o_rep(nsel), o_icp(nsel), o_stk(nsel);
+        rep.run(b, o_rep.get(), sst);
+        icp_gen.run(b, o_icp.get(), sst);
+        if (icp_stock) icp_stock->run(b, o_stk.get(), sst);
         ck(cudaStreamSynchronize(st), "cudaStreamSynchronize");
         const auto h_rep = o_rep.host();
         const bool eq_gen = h_rep == o_icp.host();
@@ -194,29 +194,29 @@ bool decode(const DecodeOptions& o) {
         if (!o.topk_only) {
           add("replicated_stock", rep.bytes_read(0, seq), true, [&] {
             rep.enqueue_score(0, b, sst);
-            rep.enqueue_select(0, b, o_rep.p, sst);
+            rep.enqueue_select(0, b, o_rep.get(), sst);
           });
           add("replicated_stock_score", rep.bytes_read(0, seq), true, [&] { rep.enqueue_score(0, b, sst); });
           add("icp_general", icp_gen.bytes_read(0, seq), eq_gen, [&] {
             icp_gen.enqueue_score(0, b, sst);
             icp_gen.enqueue_publish(0, b, sst);
-            icp_gen.enqueue_select(0, b, o_icp.p, sst);
+            icp_gen.enqueue_select(0, b, o_icp.get(), sst);
           });
           add("icp_general_score", icp_gen.bytes_read(0, seq), eq_gen, [&] { icp_gen.enqueue_score(0, b, sst); });
           if (icp_stock)
             add("icp_stock", icp_stock->bytes_read(0, seq), eq_stk, [&] {
               icp_stock->enqueue_score(0, b, sst);
               icp_stock->enqueue_publish(0, b, sst);
-              icp_stock->enqueue_select(0, b, o_stk.p, sst);
+              icp_stock->enqueue_select(0, b, o_stk.get(), sst);
             });
         } else {
           // bytes: the block scores read (fp32 per row, head and historical block)
-          add("replicated_select", rows * nh * hist_blocks * 4, true, [&] { rep.enqueue_select(0, b, o_rep.p, sst); });
+          add("replicated_select", rows * nh * hist_blocks * 4, true, [&] { rep.enqueue_select(0, b, o_rep.get(), sst); });
           add("icp_publish", rows * H * hist_blocks * 4, eq_gen, [&] { icp_gen.enqueue_publish(0, b, sst); });
-          add("icp_merge", rows * nh * W * shape.sel.ranked() * 8, eq_gen, [&] { icp_gen.enqueue_select(0, b, o_icp.p, sst); });
+          add("icp_merge", rows * nh * W * shape.sel.ranked() * 8, eq_gen, [&] { icp_gen.enqueue_select(0, b, o_icp.get(), sst); });
           add("icp_publish_merge", rows * H * hist_blocks * 4 + rows * nh * W * shape.sel.ranked() * 8, eq_gen, [&] {
             icp_gen.enqueue_publish(0, b, sst);
-            icp_gen.enqueue_select(0, b, o_icp.p, sst);
+            icp_gen.enqueue_select(0, b, o_icp.get(), sst);
           });
         }
         std::map<std::string, std::vector<Stat>> runs;
@@ -281,9 +281,9 @@ int64_t shard_bytes(const PageLayout& l, int32_t rank, int32_t seq_len) {
 // All ranks' values of `v` (one double per rank), through the communicator.
 std::vector<double> gather_doubles(Communicator& comm, const std::vector<double>& v, cudaStream_t st) {
   const int W = comm.world();
-  Buf<double> send(v.size()), recv(v.size() * W);
-  ck(cudaMemcpyAsync(send.p, v.data(), v.size() * sizeof(double), cudaMemcpyHostToDevice, st), "cudaMemcpyAsync");
-  comm.all_gather(send.p, recv.p, v.size() * sizeof(double), st);
+  DeviceBuffer<double> send(v.size()), recv(v.size() * W);
+  ck(cudaMemcpyAsync(send.get(), v.data(), v.size() * sizeof(double), cudaMemcpyHostToDevice, st), "cudaMemcpyAsync");
+  comm.all_gather(send.get(), recv.get(), v.size() * sizeof(double), st);
   comm.synchronize(st);
   return recv.host();
 }
@@ -331,9 +331,9 @@ bool decode_processes(const DecodeOptions& o, const RankEnv& env) {
         const int64_t rows = static_cast<int64_t>(B) * Q, K = sel.topk;
         // replicated path of all heads on this GPU (the W ranks of the step simulated here)
         cuda::DecodeStep rep({L->repl.get()}, W, 0, shape, cuda::DecodePath::kReplicated);
-        Buf<int32_t> o_rep(static_cast<size_t>(rows * H * K)), o_icp(static_cast<size_t>(rows * nh * K));
-        rep.run(b, o_rep.p, sst);
-        cuda::icp_decode(*comm, shard, 0, b, sel, mode, o_icp.p, sst, false);
+        DeviceBuffer<int32_t> o_rep(static_cast<size_t>(rows * H * K)), o_icp(static_cast<size_t>(rows * nh * K));
+        rep.run(b, o_rep.get(), sst);
+        cuda::icp_decode(*comm, shard, 0, b, sel, mode, o_icp.get(), sst, false);
         comm->synchronize(st);
         const auto h_rep = o_rep.host(), h_icp = o_icp.host();
         bool eq = true;
@@ -343,14 +343,14 @@ bool decode_processes(const DecodeOptions& o, const RankEnv& env) {
                             h_rep.begin() + (i * H + h0 + h) * K);
         // the exchange alone: this rank's record (candidates + step signature), all-gathered
         const size_t xbytes = exchange_layout(rows, H, sel).record_bytes;
-        Buf<uint8_t> xs(xbytes), xr(xbytes * W);
-        ck(cudaMemset(xs.p, 0, xbytes), "cudaMemset");
+        DeviceBuffer<uint8_t> xs(xbytes), xr(xbytes * W);
+        ck(cudaMemset(xs.get(), 0, xbytes), "cudaMemset");
         Graph g_rep(dev.capture([&] {
           rep.enqueue_score(r, b, sst);
-          rep.enqueue_select(r, b, o_rep.p, sst);
+          rep.enqueue_select(r, b, o_rep.get(), sst);
         }));
-        Graph g_icp(dev.capture([&] { cuda::icp_decode(*comm, shard, 0, b, sel, mode, o_icp.p, sst, false); }));
-        Graph g_x(dev.capture([&] { comm->all_gather(xs.p, xr.p, xbytes, sst); }));
+        Graph g_icp(dev.capture([&] { cuda::icp_decode(*comm, shard, 0, b, sel, mode, o_icp.get(), sst, false); }));
+        Graph g_x(dev.capture([&] { comm->all_gather(xs.get(), xr.get(), xbytes, sst); }));
         struct V {
           const char* name;
           const Graph* g;

@@ -342,14 +342,14 @@ void fill_slots(int64_t* dev, int64_t t0, int64_t n, int32_t ctx, const int32_t*
 void fill_caches(const std::vector<cuda::DeviceCache*>& caches, int32_t layer, int32_t requests, int32_t ctx,
                  const int32_t* bt, int32_t max_pages, int32_t P, uint64_t seed, cudaStream_t st) {
   const int64_t total = static_cast<int64_t>(requests) * ctx, chunk = int64_t{1} << 20;
-  Buf<float> keys(static_cast<size_t>(std::min(total, chunk)) * 128);
-  Buf<int64_t> slots(static_cast<size_t>(std::min(total, chunk)));
+  DeviceBuffer<float> keys(static_cast<size_t>(std::min(total, chunk)) * 128);
+  DeviceBuffer<int64_t> slots(static_cast<size_t>(std::min(total, chunk)));
   const auto sst = reinterpret_cast<cuda::Stream>(st);
   for (int64_t t0 = 0; t0 < total; t0 += chunk) {
     const int64_t n = std::min(chunk, total - t0);
-    fill_keys(keys.p, n * 128, seed + t0, st);
-    fill_slots(slots.p, t0, n, ctx, bt, max_pages, P, st);
-    for (cuda::DeviceCache* c : caches) cuda::insert_keys(*c, layer, keys.p, slots.p, n, ::indexcp::InsertOptions{}, sst);
+    fill_keys(keys.get(), n * 128, seed + t0, st);
+    fill_slots(slots.get(), t0, n, ctx, bt, max_pages, P, st);
+    for (cuda::DeviceCache* c : caches) cuda::insert_keys(*c, layer, keys.get(), slots.get(), n, ::indexcp::InsertOptions{}, sst);
   }
   ck(cudaStreamSynchronize(st), "cudaStreamSynchronize");
 }

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "bench/bench.hpp"
+#include "cuda/device_buffer.cuh"
 #include "indexcp/comm.hpp"
 #include "indexcp/cuda.hpp"
 
@@ -139,27 +140,17 @@ std::vector<int32_t> shuffled_block_table(int64_t num_pages, uint32_t seed);
 /// E4M3 bytes of standard-normal q values.
 std::vector<uint8_t> random_q(size_t n, uint32_t seed);
 
+/// The benchmark's error texts for DeviceBuffer (cuda/device_buffer.cuh).
+struct BenchBufferErrors {
+  static void check(cudaError_t e, const char* what) { ck(e, what); }
+  static constexpr const char* kMalloc = "cudaMalloc";
+  static constexpr const char* kUpload = "cudaMemcpy";
+  static constexpr const char* kDownload = "cudaMemcpy";
+  static constexpr bool kAllocateEmpty = true;
+};
 /// Device buffer owned by the benchmark (freed on scope exit).
 template <class T>
-struct Buf {
-  T* p = nullptr;
-  size_t n = 0;
-  Buf() = default;
-  explicit Buf(size_t count) : n(count) { ck(cudaMalloc(&p, (count ? count : 1) * sizeof(T)), "cudaMalloc"); }
-  explicit Buf(const std::vector<T>& h) : Buf(h.size()) {
-    ck(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice), "cudaMemcpy");
-  }
-  ~Buf() {
-    if (p) cudaFree(p);
-  }
-  Buf(const Buf&) = delete;
-  Buf& operator=(const Buf&) = delete;
-  std::vector<T> host() const {
-    std::vector<T> h(n);
-    ck(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost), "cudaMemcpy");
-    return h;
-  }
-};
+using DeviceBuffer = cuda::detail::BasicDeviceBuffer<T, BenchBufferErrors>;
 
 /// RAII for an executable graph.
 struct Graph {

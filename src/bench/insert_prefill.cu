@@ -25,21 +25,21 @@ bool insert(const InsertOptions& o) {
   Progress prog(static_cast<int>(o.tokens.size() * o.kv_dtypes.size() * 2), o.run.progress);
   json results = json::array();
   const int32_t max_n = *std::max_element(o.tokens.begin(), o.tokens.end());
-  Buf<float> keys(static_cast<size_t>(max_n) * 128);
-  fill_keys(keys.p, static_cast<int64_t>(max_n) * 128, 0xabcdefull, st);
+  DeviceBuffer<float> keys(static_cast<size_t>(max_n) * 128);
+  fill_keys(keys.get(), static_cast<int64_t>(max_n) * 128, 0xabcdefull, st);
   for (const auto& dts : o.kv_dtypes) {
     const KvDtype dt = dts == "fp8" ? KvDtype::kFp8 : KvDtype::kNvfp4;
     for (const int32_t n : o.tokens) {
       const int32_t pages = (n + P - 1) / P;
       const auto bt = shuffled_block_table(pages, static_cast<uint32_t>(n));
-      Buf<int32_t> bt_dev(bt);
-      Buf<int64_t> slots(static_cast<size_t>(n));
-      fill_slots(slots.p, 0, n, n, bt_dev.p, pages, P, st);
+      DeviceBuffer<int32_t> bt_dev(bt);
+      DeviceBuffer<int64_t> slots(static_cast<size_t>(n));
+      fill_slots(slots.get(), 0, n, n, bt_dev.get(), pages, P, st);
       for (const int32_t W : {1, o.tp}) {
         cuda::DeviceCache cache(make_page_layout(dt, P, W), pages, 1, 0);
         std::vector<Stat> runs;
         for (int r = 0; r < o.run.repeats; ++r)
-          runs.push_back(dev.time_eager([&] { cuda::insert_keys(cache, 0, keys.p, slots.p, n, ::indexcp::InsertOptions{}, sst); },
+          runs.push_back(dev.time_eager([&] { cuda::insert_keys(cache, 0, keys.get(), slots.get(), n, ::indexcp::InsertOptions{}, sst); },
                                         o.run.replays));
         const Combined c = combine(runs);
         const int64_t written = static_cast<int64_t>(n) * cache.layout().page_bytes() / P;  // this rank's share
@@ -59,17 +59,17 @@ bool insert(const InsertOptions& o) {
         // workspace) captured once in a CUDA graph and replayed
         {
           const size_t wsb = cuda::insert_workspace_bytes(n);
-          Buf<uint8_t> ws(wsb);
-          Buf<InsertStatus> status(1);
-          cuda::reset_status(status.p, sst);
+          DeviceBuffer<uint8_t> ws(wsb);
+          DeviceBuffer<InsertStatus> status(1);
+          cuda::reset_status(status.get(), sst);
           cudaGraphExec_t g = dev.capture([&] {
-            cuda::insert_keys_async(cache, 0, keys.p, slots.p, n, ::indexcp::InsertOptions{}, ws.p, wsb, status.p,
+            cuda::insert_keys_async(cache, 0, keys.get(), slots.get(), n, ::indexcp::InsertOptions{}, ws.get(), wsb, status.get(),
                                     sst);
           });
           std::vector<Stat> aruns;
           for (int r = 0; r < o.run.repeats; ++r) aruns.push_back(dev.time_graph(g, o.run.replays));
           cudaGraphExecDestroy(g);
-          if (cuda::read_status(status.p, sst).reason != 0)
+          if (cuda::read_status(status.get(), sst).reason != 0)
             throw Error(ErrorCode::kRuntime, "bench insert: the asynchronous insert refused its batch");
           const Combined a = combine(aruns);
           json ja = {{"variant", W == 1 ? "insert_async_graph_replicated" : "insert_async_graph_sharded"},
@@ -108,7 +108,7 @@ bool prefill(const PrefillOptions& o) {
     const int32_t max_pages = (ctx + P - 1) / P;
     const int64_t num_pages = static_cast<int64_t>(B) * max_pages;
     const auto bt = shuffled_block_table(num_pages, static_cast<uint32_t>(ctx));
-    Buf<int32_t> bt_dev(bt);
+    DeviceBuffer<int32_t> bt_dev(bt);
     cuda::DeviceCache repl(make_page_layout(KvDtype::kNvfp4, P, 1), num_pages, 1, 0);
     std::vector<std::unique_ptr<cuda::DeviceCache>> shards;
     for (int32_t r = 0; r < W; ++r)
@@ -116,22 +116,22 @@ bool prefill(const PrefillOptions& o) {
     {
       std::vector<cuda::DeviceCache*> all{&repl};
       for (auto& sh : shards) all.push_back(sh.get());
-      fill_caches(all, 0, B, ctx, bt_dev.p, max_pages, P, 0x77ull, st);
+      fill_caches(all, 0, B, ctx, bt_dev.get(), max_pages, P, 0x77ull, st);
     }
     // the batch: every request's last T tokens are the chunk (rows at L-T .. L-1)
     std::vector<int32_t> seq(static_cast<size_t>(B), ctx), qs(static_cast<size_t>(B) + 1);
     for (int32_t b = 0; b <= B; ++b) qs[b] = b * T;
     const auto qh = random_q(static_cast<size_t>(B) * T * H * 128, 4242u + ctx);
-    Buf<int32_t> seq_dev(seq), qs_dev(qs);
-    Buf<uint8_t> q_dev(qh);
+    DeviceBuffer<int32_t> seq_dev(seq), qs_dev(qs);
+    DeviceBuffer<uint8_t> q_dev(qh);
     PrefillBatch pb;
-    pb.q = q_dev.p;
+    pb.q = q_dev.get();
     pb.heads = H;
-    pb.block_table = bt_dev.p;
+    pb.block_table = bt_dev.get();
     pb.num_requests = B;
     pb.max_pages = max_pages;
-    pb.seq_lens = seq_dev.p;
-    pb.query_start = qs_dev.p;
+    pb.seq_lens = seq_dev.get();
+    pb.query_start = qs_dev.get();
     int32_t h0, nh;
     owned_heads(H, W, 0, &h0, &nh);
     // pages holding historical blocks (decisions.md: the gather stages only those)
@@ -142,9 +142,9 @@ bool prefill(const PrefillOptions& o) {
       for (int64_t i = 0; i < hist_pages; ++i) stage_ids.push_back(bt[static_cast<size_t>(b) * max_pages + i]);
     const int64_t n_stage = static_cast<int64_t>(stage_ids.size());
     const int32_t R = shards[0]->layout().rows();
-    Buf<int32_t> stage_dev(stage_ids);
-    Buf<uint8_t> staged(static_cast<size_t>(std::max<int64_t>(n_stage, 1)) * R * 128);
-    Buf<uint8_t> gathered(static_cast<size_t>(std::max<int64_t>(n_stage, 1)) * W * R * 128);
+    DeviceBuffer<int32_t> stage_dev(stage_ids);
+    DeviceBuffer<uint8_t> staged(static_cast<size_t>(std::max<int64_t>(n_stage, 1)) * R * 128);
+    DeviceBuffer<uint8_t> gathered(static_cast<size_t>(std::max<int64_t>(n_stage, 1)) * W * R * 128);
     const std::string cell = "ctx " + std::to_string(ctx);
     auto push = [&](json j, const Combined& c) {
       j.update({{"tp", W}, {"page_size", P}, {"requests", B}, {"context", ctx}, {"chunk", T}, {"heads", H},
@@ -158,7 +158,7 @@ bool prefill(const PrefillOptions& o) {
       return combine(runs);
     };
     {  // 1. staging NVFP4 -> FP8 of rank 0's rows
-      Graph g(dev.capture([&] { cuda::stage_fp8(*shards[0], 0, stage_dev.p, n_stage, staged.p, sst, false); }));
+      Graph g(dev.capture([&] { cuda::stage_fp8(*shards[0], 0, stage_dev.get(), n_stage, staged.get(), sst, false); }));
       const Combined c = repeat([&] { return dev.time_graph(g.e, o.run.replays); });
       const int64_t rd = n_stage * shards[0]->layout().page_bytes(), wr = n_stage * R * 128;
       const double gbs = (rd + wr) / (c.median * 1e3);
@@ -173,7 +173,7 @@ bool prefill(const PrefillOptions& o) {
       const size_t part = static_cast<size_t>(n_stage) * R * 128;
       Graph g(dev.capture([&] {
         for (int32_t r = 0; r < W; ++r)
-          ck(cudaMemcpyAsync(gathered.p + r * part, staged.p, part, cudaMemcpyDeviceToDevice, st), "cudaMemcpyAsync");
+          ck(cudaMemcpyAsync(gathered.get() + r * part, staged.get(), part, cudaMemcpyDeviceToDevice, st), "cudaMemcpyAsync");
       }));
       const Combined c = repeat([&] { return dev.time_graph(g.e, o.run.replays); });
       const double gbs = 2.0 * W * part / (c.median * 1e3);
@@ -190,8 +190,8 @@ bool prefill(const PrefillOptions& o) {
     flops *= B;
     {  // 3. the prefill scorer alone (graph): TFLOP/s against the FP8 matrix rate
       const int64_t mb = static_cast<int64_t>(max_pages) * P / 128;
-      Buf<float> scores(static_cast<size_t>(B) * T * nh * mb);
-      Graph g(dev.capture([&] { cuda::prefill_scores(repl, 0, pb, static_cast<int64_t>(B) * T, T, h0, nh, scores.p, sst); }));
+      DeviceBuffer<float> scores(static_cast<size_t>(B) * T * nh * mb);
+      Graph g(dev.capture([&] { cuda::prefill_scores(repl, 0, pb, static_cast<int64_t>(B) * T, T, h0, nh, scores.get(), sst); }));
       const Combined c = repeat([&] { return dev.time_graph(g.e, o.run.replays); });
       const double tf = flops / (c.median * 1e-6) / 1e12;
       push({{"variant", "prefill_score"}, {"owned_heads", nh}, {"flops", flops}, {"tflops", tf},
@@ -203,10 +203,10 @@ bool prefill(const PrefillOptions& o) {
     }
     {  // 4. prefill_select end to end: validation (host copy of the batch) + scoring + selection
       const size_t nsel = static_cast<size_t>(B) * T * nh * 16;
-      Buf<int32_t> out(nsel);
+      DeviceBuffer<int32_t> out(nsel);
       SelectionParams sel;
       const Combined c = repeat([&] {
-        return dev.time_eager([&] { cuda::prefill_select(repl, 0, pb, h0, nh, sel, out.p, sst); }, o.run.replays);
+        return dev.time_eager([&] { cuda::prefill_select(repl, 0, pb, h0, nh, sel, out.get(), sst); }, o.run.replays);
       });
       const double tf = flops / (c.median * 1e-6) / 1e12;
       push({{"variant", "prefill_score_select"}, {"owned_heads", nh}, {"flops", flops}, {"tflops", tf},
@@ -220,8 +220,8 @@ bool prefill(const PrefillOptions& o) {
     }
     {  // 5. the whole budgeted gather prefill, all W ranks (host threads), wall clock
       std::vector<GatherStats> gs(static_cast<size_t>(W));
-      std::vector<std::unique_ptr<Buf<int32_t>>> outs;
-      for (int32_t r = 0; r < W; ++r) outs.push_back(std::make_unique<Buf<int32_t>>(static_cast<size_t>(B) * T * H * 16));
+      std::vector<std::unique_ptr<DeviceBuffer<int32_t>>> outs;
+      for (int32_t r = 0; r < W; ++r) outs.push_back(std::make_unique<DeviceBuffer<int32_t>>(static_cast<size_t>(B) * T * H * 16));
       SelectionParams sel;
       const int64_t budget = static_cast<int64_t>(o.budget_mib) << 20;
       std::vector<double> us;
@@ -229,7 +229,7 @@ bool prefill(const PrefillOptions& o) {
       for (int i = 0; i < n + 1; ++i) {
         const auto a = std::chrono::steady_clock::now();
         cuda::run_device_ranks(W, [&](int r, Communicator& comm, cuda::Stream s) {
-          gs[r] = cuda::prefill_gather(comm, *shards[r], 0, pb, sel, budget, outs[r]->p, s);
+          gs[r] = cuda::prefill_gather(comm, *shards[r], 0, pb, sel, budget, outs[r]->get(), s);
         });
         const double t = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - a).count();
         if (i > 0) us.push_back(t);

@@ -34,14 +34,14 @@ bool step(const StepOptions& o) {
   std::printf("decode step over %d sparse layers, one rank of TP%d (simulated), P = %d, context %d, Q = %d, H = %d, NVFP4\n",
               NL, W, P, ctx, Q, H);
   const auto bt = shuffled_block_table(num_pages, 99u);
-  Buf<int32_t> bt_dev(bt);
+  DeviceBuffer<int32_t> bt_dev(bt);
   cuda::DeviceCache repl(lr, num_pages, NL, 0);
   std::vector<std::unique_ptr<cuda::DeviceCache>> shards;
   for (int32_t r = 0; r < W; ++r) shards.push_back(std::make_unique<cuda::DeviceCache>(ls, num_pages, NL, r));
   {
     std::vector<cuda::DeviceCache*> all{&repl};
     for (auto& sh : shards) all.push_back(sh.get());
-    fill_caches(all, 0, max_req, ctx, bt_dev.p, max_pages, P, 0x5151ull, st);
+    fill_caches(all, 0, max_req, ctx, bt_dev.get(), max_pages, P, 0x5151ull, st);
     for (int32_t l = 1; l < NL; ++l) {
       ck(cudaMemcpyAsync(repl.layer_ptr(l), repl.layer_ptr(0), repl.layer_stride(), cudaMemcpyDeviceToDevice, st), "cudaMemcpyAsync");
       for (auto& s : shards)
@@ -55,16 +55,16 @@ bool step(const StepOptions& o) {
   json results = json::array();
   for (const int32_t B : o.requests) {
     std::vector<int32_t> seq(static_cast<size_t>(B), ctx);
-    Buf<int32_t> seq_dev(seq);
+    DeviceBuffer<int32_t> seq_dev(seq);
     const auto qh = random_q(static_cast<size_t>(B) * Q * H * 128, 31337u + B);
-    Buf<uint8_t> q_dev(qh);
+    DeviceBuffer<uint8_t> q_dev(qh);
     DecodeBatch b;
-    b.q = q_dev.p;
+    b.q = q_dev.get();
     b.heads = H;
-    b.block_table = bt_dev.p;
+    b.block_table = bt_dev.get();
     b.num_requests = B;
     b.max_pages = max_pages;
-    b.seq_lens = seq_dev.p;
+    b.seq_lens = seq_dev.get();
     b.query_len = Q;
     cuda::DecodeShape shape;
     shape.max_requests = B;
@@ -80,11 +80,11 @@ bool step(const StepOptions& o) {
       icp.push_back(std::make_unique<cuda::DecodeStep>(cs, W, l, shape, cuda::DecodePath::kIcp));
     }
     const size_t nsel = static_cast<size_t>(B) * Q * H * shape.sel.topk;
-    Buf<int32_t> o_rep(nsel * NL), o_icp(nsel * NL);
+    DeviceBuffer<int32_t> o_rep(nsel * NL), o_icp(nsel * NL);
     // correctness: every layer's full step (all ranks), sharded == replicated
     for (int32_t l = 0; l < NL; ++l) {
-      rep[l]->run(b, o_rep.p + l * nsel, sst);
-      icp[l]->run(b, o_icp.p + l * nsel, sst);
+      rep[l]->run(b, o_rep.get() + l * nsel, sst);
+      icp[l]->run(b, o_icp.get() + l * nsel, sst);
     }
     ck(cudaStreamSynchronize(st), "cudaStreamSynchronize");
     const bool eq = o_rep.host() == o_icp.host();
@@ -96,14 +96,14 @@ bool step(const StepOptions& o) {
     Graph g_rep(dev.capture([&] {
       for (int32_t l = 0; l < NL; ++l) {
         rep[l]->enqueue_score(0, b, sst);
-        rep[l]->enqueue_select(0, b, o_rep.p + l * nsel, sst);
+        rep[l]->enqueue_select(0, b, o_rep.get() + l * nsel, sst);
       }
     }));
     Graph g_icp(dev.capture([&] {
       for (int32_t l = 0; l < NL; ++l) {
         icp[l]->enqueue_score(0, b, sst);
         icp[l]->enqueue_publish(0, b, sst);
-        icp[l]->enqueue_select(0, b, o_icp.p + l * nsel, sst);
+        icp[l]->enqueue_select(0, b, o_icp.get() + l * nsel, sst);
       }
     }));
     std::vector<Stat> r_rep, r_icp;

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <string>
 
+#include "device_buffer.cuh"
 #include "indexcp/error.hpp"
 #include "indexcp/formats.hpp"
 
@@ -30,40 +31,16 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 /// Multiprocessor count of the current device (cached per device).
 int sm_count();
 
-/// RAII device buffer (cudaMalloc / cudaFree).
-template <class T>
-class DeviceBuffer {
- public:
-  DeviceBuffer() = default;
-  explicit DeviceBuffer(size_t n) { resize(n); }
-  ~DeviceBuffer() { reset(); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  DeviceBuffer(DeviceBuffer&& o) noexcept : p_(o.p_), n_(o.n_) { o.p_ = nullptr; o.n_ = 0; }
-  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
-    if (this != &o) { reset(); p_ = o.p_; n_ = o.n_; o.p_ = nullptr; o.n_ = 0; }
-    return *this;
-  }
-  void resize(size_t n) {
-    if (n <= n_) return;
-    reset();
-    void* p = nullptr;
-    check(cudaMalloc(&p, (n ? n : 1) * sizeof(T)), "cudaMalloc (workspace)");
-    p_ = static_cast<T*>(p);
-    n_ = n;
-  }
-  void reset() {
-    if (p_) cudaFree(p_);
-    p_ = nullptr;
-    n_ = 0;
-  }
-  T* get() const { return p_; }
-  size_t size() const { return n_; }
-
- private:
-  T* p_ = nullptr;
-  size_t n_ = 0;
+/// The backend's error texts for DeviceBuffer (device_buffer.cuh).
+struct BackendBufferErrors {
+  static void check(cudaError_t e, const char* what) { detail::check(e, what); }
+  static constexpr const char* kMalloc = "cudaMalloc (workspace)";
+  static constexpr const char* kUpload = "cudaMemcpy (upload)";
+  static constexpr const char* kDownload = "cudaMemcpy (download)";
+  static constexpr bool kAllocateEmpty = false;
 };
+template <class T>
+using DeviceBuffer = BasicDeviceBuffer<T, BackendBufferErrors>;
 
 // ---------------------------------------------------------------------------------------------
 // The order of scores (indexer.md section 3) as unsigned keys: higher key = better score.

@@ -57,16 +57,7 @@ void decode_select(const CacheView& cache, int32_t layer, const DecodeBatch& bat
   const int64_t mb = max_blocks_of(batch.max_pages, cache.layout());
   Tmp<float> scores(static_cast<size_t>(rows) * nh * mb, st);
   launch_score(decode_score_launch(cache, layer, batch, h0, nh, mode, scores.get(), BlockFilter{}, true), st);
-  SelectLaunch s;
-  s.rows = decode_rows_view(batch);
-  s.scores = scores.get();
-  s.max_blocks = mb;
-  s.nh = nh;
-  s.sel = sel;
-  s.out = out;
-  s.out_heads = nh;
-  s.out_h0 = 0;
-  launch_select(s, st);
+  launch_select(select_launch(decode_rows_view(batch), scores.get(), mb, nh, sel, out, nh, 0), st);
 }
 
 void prefill_select(const CacheView& cache, int32_t layer, const PrefillBatch& batch, int32_t h0, int32_t nh,
@@ -86,15 +77,7 @@ void prefill_select(const CacheView& cache, int32_t layer, const PrefillBatch& b
   Tmp<float> scores(static_cast<size_t>(rows) * nh * mb, st);
   const ScoreLaunch sl = prefill_score_launch(cache, layer, batch, rows, hp.max_rows_per_request, h0, nh, scores.get());
   launch_score(sl, st);
-  SelectLaunch s;
-  s.rows = sl.rows;
-  s.scores = scores.get();
-  s.max_blocks = mb;
-  s.nh = nh;
-  s.sel = sel;
-  s.out = out;
-  s.out_heads = nh;
-  launch_select(s, st);
+  launch_select(select_launch(sl.rows, scores.get(), mb, nh, sel, out, nh, 0), st);
   check(cudaStreamSynchronize(st), "cudaStreamSynchronize (prefill_select)");
 }
 

@@ -203,69 +203,42 @@ float* DecodePlan::Impl::scores(void* workspace) const { return at<float>(worksp
 
 void DecodePlan::Impl::enqueue_score(const CacheView& cache, int32_t layer, const DeviceDecodeBatch& b, void* workspace,
                                      cudaStream_t st) const {
-  ScoreLaunch sl = decode_score_launch(cache, layer, as_batch(b), score_h0, score_nh, sp.mode, scores(workspace), filter, stock);
-  sl.plan = at<int32_t>(workspace, ws.plan);
-  launch_score(sl, st);
+  launch_score(decode_score_launch(cache, layer, as_batch(b), score_h0, score_nh, sp.mode, scores(workspace), filter,
+                                   stock, at<int32_t>(workspace, ws.plan)),
+               st);
 }
 
 void DecodePlan::Impl::enqueue_publish(const CacheView& cache, const DeviceDecodeBatch& b, void* workspace, void* send,
                                        cudaStream_t st) const {
-  const DecodeBatch d = as_batch(b);
-  SelectLaunch pub;
-  pub.rows = decode_rows_view(d);
-  pub.scores = scores(workspace);
-  pub.max_blocks = max_blocks;
-  pub.nh = sp.limits.heads;
-  pub.sel = sp.limits.sel;
-  pub.cands = static_cast<Candidate*>(send);
-  pub.layout = cache.layout();
-  pub.rank = cache.rank();
-  pub.filter = filter;
-  pub.signature = at<uint32_t>(send, ex.signature_offset);
+  uint32_t* signature = signature_in(send, ex);
 #ifdef INDEXCP_AB_NO_STEP_SIGNATURE  // A/B builds of bench/NOTES.md only: the step without its signature
-  pub.signature = nullptr;
+  signature = nullptr;
 #endif
-  pub.sig = base_signature(b.num_requests, sp.limits.query_len, sp.limits.heads, sp.limits.sel, sp.limits.max_pages,
-                           max_rows, 0);
-  launch_select(pub, st);
+  const StepSignature sig = base_signature(b.num_requests, sp.limits.query_len, sp.limits.heads, sp.limits.sel,
+                                           sp.limits.max_pages, max_rows, 0);
+  launch_select(publish_launch(decode_rows_view(as_batch(b)), scores(workspace), max_blocks, sp.limits.heads,
+                               sp.limits.sel, send, cache, filter, signature, sig),
+                st);
 }
 
 void DecodePlan::Impl::enqueue_select(const DeviceDecodeBatch& b, void* workspace, int32_t* out, int32_t out_heads,
                                       int32_t out_h0, cudaStream_t st) const {
-  SelectLaunch s;
-  s.rows = decode_rows_view(as_batch(b));
-  s.scores = scores(workspace);
-  s.max_blocks = max_blocks;
-  s.nh = nh;
-  s.sel = sp.limits.sel;
-  s.out = out;
-  s.out_heads = out_heads;
-  s.out_h0 = out_h0;
-  launch_select(s, st);
+  launch_select(select_launch(decode_rows_view(as_batch(b)), scores(workspace), max_blocks, nh, sp.limits.sel, out,
+                              out_heads, out_h0),
+                st);
 }
 
 void DecodePlan::Impl::enqueue_merge(const DeviceDecodeBatch& b, const void* recv, int32_t* out, int32_t out_heads,
                                      int32_t out_h0, uint32_t* status, cudaStream_t st) const {
-  MergeLaunch m;
-  m.rows = decode_rows_view(as_batch(b));
-  m.cands = static_cast<const Candidate*>(recv);
-  m.world = sp.world;
-  m.heads = sp.limits.heads;
-  m.h0 = h0;
-  m.nh = nh;
-  m.sel = sp.limits.sel;
-  m.out = out;
-  m.out_heads = out_heads;
-  m.out_h0 = out_h0;
-  m.rank_stride = static_cast<int64_t>(ex.record_bytes / sizeof(Candidate));
-  m.signature = reinterpret_cast<const uint32_t*>(static_cast<const char*>(recv) + ex.signature_offset);
-  m.expect = base_signature(b.num_requests, sp.limits.query_len, sp.limits.heads, sp.limits.sel, sp.limits.max_pages,
-                            max_rows, 0);
+  const uint32_t* signature = signature_in(recv, ex);
 #ifdef INDEXCP_AB_NO_STEP_SIGNATURE
-  m.signature = nullptr;
+  signature = nullptr;
 #endif
-  m.status = status;
-  launch_merge(m, st);
+  const StepSignature expect = base_signature(b.num_requests, sp.limits.query_len, sp.limits.heads, sp.limits.sel,
+                                              sp.limits.max_pages, max_rows, 0);
+  launch_merge(merge_launch(decode_rows_view(as_batch(b)), recv, ex, sp.world, sp.limits.heads, h0, nh, sp.limits.sel,
+                            out, out_heads, out_h0, signature, expect, status),
+               st);
 }
 
 DecodePlan::DecodePlan(const ResolvedConfig& config, int32_t rank, const DecodeLimits& limits) {
@@ -521,87 +494,36 @@ void PrefillPlan::Impl::run(const CacheView& cache, int32_t layer, const DeviceP
       launch_stage_fp8(cache.layer_ptr(layer), m.layout, cache.num_pages(), phys, n, staging, st);
       comm->all_gather(staging, gathered, static_cast<size_t>(n) * R * kHeadDim, stream);
       if (e.rows == 0) continue;
-      ScoreLaunch sl;
-      sl.keys.base = gathered;
-      sl.keys.layout = gl;
-      sl.keys.rank = 0;
-      sl.keys.num_pages = n;
-      sl.keys.gather = true;
-      sl.rows = rv;
-      sl.block_table = bt_local;
-      sl.max_pages = d.max_pages;
-      sl.max_rows_per_request = e.max_rows_per_request;
-      sl.q = d.q;
-      sl.heads = d.heads;
-      sl.h0 = m.h0;
-      sl.nh = m.nh;
-      sl.scores = scores;
-      sl.max_blocks = m.max_blocks;
-      sl.plan = plan;
-      launch_score(sl, st);
+      launch_score(gather_score_launch(gathered, gl, n, d, rv, bt_local, e.max_rows_per_request, m.h0, m.nh, scores,
+                                       m.max_blocks, plan),
+                   st);
     }
-    SelectLaunch s;
-    s.rows = rv;
-    s.scores = scores;
-    s.max_blocks = m.max_blocks;
-    s.nh = m.nh;
-    s.sel = m.limits.sel;
-    s.out = out;
-    s.out_heads = m.nh;
-    launch_select(s, st);
+    launch_select(select_launch(rv, scores, m.max_blocks, m.nh, m.limits.sel, out, m.nh, 0), st);
     launch_poison_if(st_word, out, e.rows * m.nh * m.limits.sel.topk, st);
     return;
   }
 
-  ScoreLaunch sl = prefill_score_launch(cache, layer, d, e.rows, e.max_rows_per_request, m.score_h0, m.score_nh, scores);
-  sl.stock = m.path == PrefillPath::kLocalScore ? m.layout.rows() >= kBlockTokens : true;
-  sl.plan = plan;
-  launch_score(sl, st);
+  const bool stock = m.path == PrefillPath::kLocalScore ? m.layout.rows() >= kBlockTokens : true;
+  launch_score(prefill_score_launch(cache, layer, d, e.rows, e.max_rows_per_request, m.score_h0, m.score_nh, scores,
+                                    stock, plan),
+               st);
   if (m.path == PrefillPath::kReplicated) {
-    SelectLaunch s;
-    s.rows = rv;
-    s.scores = scores;
-    s.max_blocks = m.max_blocks;
-    s.nh = m.nh;
-    s.sel = m.limits.sel;
-    s.out = out;
-    s.out_heads = m.nh;
-    launch_select(s, st);
+    launch_select(select_launch(rv, scores, m.max_blocks, m.nh, m.limits.sel, out, m.nh, 0), st);
     if (status != nullptr) check(cudaMemsetAsync(status, 0, sizeof(uint32_t), st), "cudaMemsetAsync (status)");
     return;
   }
   // local_score: publish (with the signature), exchange, merge
   void* send = at<void>(workspace, m.ws.send);
   void* recv = at<void>(workspace, m.ws.recv);
-  SelectLaunch pub;
-  pub.rows = rv;
-  pub.scores = scores;
-  pub.max_blocks = m.max_blocks;
-  pub.nh = m.limits.heads;
-  pub.sel = m.limits.sel;
-  pub.cands = static_cast<Candidate*>(send);
-  pub.layout = cache.layout();
-  pub.rank = cache.rank();
-  pub.signature = at<uint32_t>(send, m.ex.signature_offset);
-  pub.sig = base_signature(batch.num_requests, 0, m.limits.heads, m.limits.sel, m.limits.max_pages, m.limits.max_rows,
-                           e.rows);
-  launch_select(pub, st);
+  const StepSignature sig = base_signature(batch.num_requests, 0, m.limits.heads, m.limits.sel, m.limits.max_pages,
+                                           m.limits.max_rows, e.rows);
+  launch_select(publish_launch(rv, scores, m.max_blocks, m.limits.heads, m.limits.sel, send, cache, BlockFilter{},
+                               signature_in(send, m.ex), sig),
+                st);
   comm->all_gather(send, recv, m.ex.record_bytes, stream);
-  MergeLaunch mg;
-  mg.rows = rv;
-  mg.cands = static_cast<const Candidate*>(recv);
-  mg.world = m.world;
-  mg.heads = m.limits.heads;
-  mg.h0 = m.h0;
-  mg.nh = m.nh;
-  mg.sel = m.limits.sel;
-  mg.out = out;
-  mg.out_heads = m.nh;
-  mg.rank_stride = static_cast<int64_t>(m.ex.record_bytes / sizeof(Candidate));
-  mg.signature = reinterpret_cast<const uint32_t*>(static_cast<const char*>(recv) + m.ex.signature_offset);
-  mg.expect = pub.sig;
-  mg.status = status;
-  launch_merge(mg, st);
+  launch_merge(merge_launch(rv, recv, m.ex, m.world, m.limits.heads, m.h0, m.nh, m.limits.sel, out, m.nh, 0,
+                            signature_in(recv, m.ex), sig, status),
+               st);
 }
 
 // ---- DecodeStep: W decode plans on one GPU, one stream ------------------------------------------

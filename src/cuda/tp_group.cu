@@ -20,19 +20,18 @@ namespace {
 
 using detail::now_us;
 
+// A device copy of n host elements.
 template <class T>
-struct Dev {
-  cuda::detail::DeviceBuffer<T> buf;
-  Dev(const T* host, size_t n) : buf(n) {
-    if (n) {
-      cuda::detail::check(cudaMemcpy(buf.get(), host, n * sizeof(T), cudaMemcpyHostToDevice), "cudaMemcpy (upload)");
-      // a copy from pageable memory may return before its DMA lands, and the ranks read the batch
-      // on their own non-blocking streams (the validating read-backs too): wait for it
-      cuda::detail::check(cudaStreamSynchronize(cudaStreamLegacy), "cudaStreamSynchronize (upload)");
-    }
+cuda::detail::DeviceBuffer<T> device_copy(const T* host, size_t n) {
+  cuda::detail::DeviceBuffer<T> buf(n);
+  if (n) {
+    buf.upload(host, n);
+    // a copy from pageable memory may return before its DMA lands, and the ranks read the batch
+    // on their own non-blocking streams (the validating read-backs too): wait for it
+    cuda::detail::check(cudaStreamSynchronize(cudaStreamLegacy), "cudaStreamSynchronize (upload)");
   }
-  T* get() const { return buf.get(); }
-};
+  return buf;
+}
 
 // Rank `rank`'s selections of its owned heads (int32 [rows, nh, K] at src) into the whole
 // selection (int32 [rows, heads, K] at all). When ranks share a head (W > heads), the first of them
@@ -116,8 +115,8 @@ class CudaTpIndexer final : public TpIndexer {
     check_num_tokens(n);  // before n keys are uploaded
     if (n == 0) return;
     INDEXCP_REQUIRE(keys != nullptr && slots != nullptr, "keys or slot_mapping is null");
-    Dev<float> k(keys, static_cast<size_t>(n) * kHeadDim);
-    Dev<int64_t> s(slots, static_cast<size_t>(n));
+    const auto k = device_copy<float>(keys, static_cast<size_t>(n) * kHeadDim);
+    const auto s = device_copy<int64_t>(slots, static_cast<size_t>(n));
     InsertOptions o;
     o.encode_scale = S;
     // rank 0 validates first: a refused batch writes nothing on any rank
@@ -133,9 +132,9 @@ class CudaTpIndexer final : public TpIndexer {
     sel.validate();
     (void)decode_rows(b, caches_[0].num_pages(), cfg_.engine.page_size);  // the CPU's checks and messages
     const int64_t rows = b.rows();
-    Dev<uint8_t> q(b.q, static_cast<size_t>(rows) * b.heads * kHeadDim);
-    Dev<int32_t> bt(b.block_table, static_cast<size_t>(b.num_requests) * b.max_pages);
-    Dev<int32_t> sl(b.seq_lens, static_cast<size_t>(b.num_requests));
+    const auto q = device_copy<uint8_t>(b.q, static_cast<size_t>(rows) * b.heads * kHeadDim);
+    const auto bt = device_copy<int32_t>(b.block_table, static_cast<size_t>(b.num_requests) * b.max_pages);
+    const auto sl = device_copy<int32_t>(b.seq_lens, static_cast<size_t>(b.num_requests));
     const DeviceDecodeBatch d{q.get(), bt.get(), sl.get(), b.num_requests};
     check_heads_tp(b.heads, cfg_.engine.tp);
     DecodeLimits lim;
@@ -247,10 +246,10 @@ class CudaTpIndexer final : public TpIndexer {
     sel.validate();
     (void)prefill_rows(b, caches_[0].num_pages(), cfg_.engine.page_size);
     const int64_t rows = b.rows();
-    Dev<uint8_t> q(b.q, static_cast<size_t>(rows) * b.heads * kHeadDim);
-    Dev<int32_t> bt(b.block_table, static_cast<size_t>(b.num_requests) * b.max_pages);
-    Dev<int32_t> sl(b.seq_lens, static_cast<size_t>(b.num_requests));
-    Dev<int32_t> qs(b.query_start, static_cast<size_t>(b.num_requests) + 1);
+    const auto q = device_copy<uint8_t>(b.q, static_cast<size_t>(rows) * b.heads * kHeadDim);
+    const auto bt = device_copy<int32_t>(b.block_table, static_cast<size_t>(b.num_requests) * b.max_pages);
+    const auto sl = device_copy<int32_t>(b.seq_lens, static_cast<size_t>(b.num_requests));
+    const auto qs = device_copy<int32_t>(b.query_start, static_cast<size_t>(b.num_requests) + 1);
     PrefillBatch d = b;
     d.q = q.get();
     d.block_table = bt.get();
@@ -281,9 +280,9 @@ class CudaTpIndexer final : public TpIndexer {
     INDEXCP_REQUIRE(!cfg_.sharding, "decode_scores needs a replicated cache (sharding is on)");
     (void)decode_rows(b, caches_[0].num_pages(), cfg_.engine.page_size);
     const int64_t rows = b.rows();
-    Dev<uint8_t> q(b.q, static_cast<size_t>(rows) * b.heads * kHeadDim);
-    Dev<int32_t> bt(b.block_table, static_cast<size_t>(b.num_requests) * b.max_pages);
-    Dev<int32_t> sl(b.seq_lens, static_cast<size_t>(b.num_requests));
+    const auto q = device_copy<uint8_t>(b.q, static_cast<size_t>(rows) * b.heads * kHeadDim);
+    const auto bt = device_copy<int32_t>(b.block_table, static_cast<size_t>(b.num_requests) * b.max_pages);
+    const auto sl = device_copy<int32_t>(b.seq_lens, static_cast<size_t>(b.num_requests));
     DecodeBatch d = b;
     d.q = q.get();
     d.block_table = bt.get();
