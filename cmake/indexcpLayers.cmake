@@ -14,7 +14,7 @@
 #
 # The table: INDEXCP_LAYER_ALLOWED_<F> lists the folders F may include besides the public headers
 # (indexcp/...). It is the build's copy of kAllowed in tests/test_layers.cpp;
-# Layers.BuildTableMatchesTheTest compares the two, the layers.include_path.<F> tests
+# Layers.BuildTableMatchesThisTable compares the two, the layers.include_path.<F> tests
 # (tests/CMakeLists.txt, cmake/indexcpLayerProbe.cmake) check that the include path of each
 # folder finds what the table allows and refuses the rest.
 set(INDEXCP_LAYERS core cpu comm cuda nccl io bench cli)

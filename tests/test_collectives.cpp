@@ -155,14 +155,15 @@ TEST(RankBarrierLifetime, DestroyedWhileARankWaitsInEnterEndsTheWaitFirst) {
   // What ~InProcessGroup and ~DeviceGroup do (close) when a rank still waits: without close the
   // rank would wait on a freed condition variable (ASan: heap-use-after-free, or a hang).
   auto barrier = std::make_unique<detail::RankBarrier>(2);
+  detail::RankBarrier* const b = barrier.get();  // (the thread never reads the unique_ptr the test resets)
   std::atomic<bool> inside{false};
   std::string what;
   int x = 1;
-  std::thread rank0([&] {
-    const detail::RankBarrier::Use use(*barrier);
+  std::thread rank0([&what, &inside, &x, b] {
+    const detail::RankBarrier::Use use(*b);
     inside = true;
     try {
-      barrier->enter(0, "all_gather", &x, sizeof x);
+      b->enter(0, "all_gather", &x, sizeof x);
       what = "returned";
     } catch (const Error& e) {
       what = e.what();

@@ -71,8 +71,6 @@ struct LaunchOptions {
   std::vector<std::string> command; ///< what each rank runs
 };
 
-/// Registers the `launch` subcommand on `app`, filling `o`.
-
 
 volatile sig_atomic_t g_signal = 0;
 extern "C" void on_signal(int sig) { g_signal = sig; }

@@ -9,9 +9,7 @@
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <new>
 #include <string>
 #include <vector>

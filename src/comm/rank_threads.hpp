@@ -3,7 +3,7 @@
 #pragma once
 
 #include <string>
-#include <system_error>
+#include <exception>
 #include <thread>
 #include <vector>
 
@@ -22,7 +22,7 @@ void run_rank_threads(int world, const char* caller, const Rank& rank, const Abo
   for (int r = 0; r < world; ++r) {
     try {
       threads.emplace_back([&rank, r] { rank(r); });
-    } catch (const std::system_error& e) {
+    } catch (const std::exception& e) {  // std::system_error, or std::bad_alloc for the thread's state
       abort();
       for (auto& t : threads) t.join();
       throw Error(ErrorCode::kRuntime, std::string(caller) + " could not start rank " + std::to_string(r) + ": " + e.what());

@@ -130,7 +130,7 @@ inline SelectLaunch select_launch(const RowsView& rows, const float* scores, int
   return s;
 }
 
-// The publish of this rank's candidates of nh heads into its exchange record at `send` (layout ex),
+// The publish of this rank's candidates of nh heads into its exchange record at `send`,
 // block validity from the cache's layout and rank with `filter`, the step signature `sig` written
 // at `signature` (null: none).
 inline SelectLaunch publish_launch(const RowsView& rows, const float* scores, int64_t max_blocks, int32_t nh,
