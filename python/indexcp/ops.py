@@ -89,7 +89,8 @@ def prefill_plan(config, rank: int, limits, device="cpu") -> int:
 
 def comm_handle(comm) -> int:
     """A handle (a negative int; 0 stands for no communicator) for the ``comm`` argument of
-    ``decode_run_`` / ``prefill_run_``: ``indexcp.InProcessGroup(world).comm(rank)`` for CPU tensors,
+    ``decode_run_`` / ``prefill_run_``: ``indexcp.InProcessGroup(world).comm(rank)`` or an
+    ``indexcp.HostCommunicator`` (``indexcp.distributed.TorchCommunicator``) for CPU tensors,
     ``indexcp.cuda.DeviceGroup(world).comm(rank)`` for CUDA tensors (the plan's run refuses the
     other kind, naming comm). The handle keeps the communicator (and so its group) alive until
     ``release(handle)``. InvalidArgumentError names comm when it is not a communicator."""

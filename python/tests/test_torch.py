@@ -505,3 +505,174 @@ def test_insert_op_preprocess_refusals_by_name():
                                             torch.arange(8, dtype=torch.int64), table)
     assert torch.equal(t, before) and not q8.any()
     indexcp.ops.release(handle)
+
+
+class _ThreadComm(indexcp.HostCommunicator):
+    """A HostCommunicator written in Python over threads of one process (a barrier and a shared
+    list): the library calls its all_gather from inside run with the GIL released, on each rank's
+    thread."""
+
+    def __init__(self, rank, world, shared):
+        indexcp.HostCommunicator.__init__(self, rank, world)
+        self.shared = shared  # (threading.Barrier, list of world buffers)
+        self.calls = 0
+
+    def all_gather(self, send, recv):
+        barrier, bufs = self.shared
+        bufs[self.rank] = send.copy()
+        barrier.wait(timeout=60)
+        n = send.shape[0]
+        for p in range(self.world):
+            recv[p * n:(p + 1) * n] = bufs[p]
+        barrier.wait(timeout=60)
+        self.calls += 1
+
+    def all_to_all(self, send, recv):
+        raise NotImplementedError("not used by these tests")
+
+
+class _Boom(indexcp.HostCommunicator):
+    def all_gather(self, send, recv):
+        raise ValueError("boom from all_gather")
+
+    def all_to_all(self, send, recv):
+        raise ValueError("boom from all_to_all")
+
+
+def test_host_communicator_subclass_calls_and_errors():
+    """Item 3 of issue 24: a Python subclass of HostCommunicator is called by the library (here
+    through call_all_gather, as a plan calls it) with the library's buffers; its exception comes
+    back as itself; rank / world are checked."""
+    import threading
+    c = _ThreadComm(0, 1, (threading.Barrier(1), [None]))
+    send = np.arange(10, dtype=np.uint8)
+    recv = np.zeros(10, np.uint8)
+    c.call_all_gather(send, recv)
+    np.testing.assert_array_equal(recv, send)
+    assert c.calls == 1 and c.bytes_sent == 10 and (c.rank, c.world) == (0, 1)
+    with pytest.raises(ValueError, match="boom from all_gather"):
+        _Boom(0, 1).call_all_gather(send, recv)
+    with pytest.raises(indexcp.InvalidArgumentError, match="rank"):
+        _Boom(2, 2)
+    with pytest.raises(indexcp.InvalidArgumentError, match="world"):
+        _Boom(0, 0)
+
+
+@pytest.mark.parametrize("prefill_cp", ["gather", "local_score"])
+def test_sharded_prefill_through_a_python_communicator_equals_replicated(prefill_cp):
+    """The CPU PrefillPlan exchanging through a Python HostCommunicator on two threads (binding and
+    op): the union of the owned heads equals the replicated prefill bit for bit."""
+    import threading
+    W, H, K = 2, 4, 8
+    keys, slots, bt, seq, query_start, q8, rep = _prefill_case(seed=23, H=H, K=K)
+    rc = indexcp.resolve_config(
+        indexcp.AttentionConfig.from_json('{"indexer_cache_sharding": "on", "indexer_kv_dtype": "nvfp4", '
+                                          '"indexer_prefill_cp": "%s"}' % prefill_cp),
+        indexcp.EngineParams(tp=W, heads=H, query_len=1))
+    rows = q8.shape[0]
+    lim = indexcp.PrefillLimits(max_requests=2, max_pages=3, max_rows=rows, heads=H, sel=indexcp.SelectionParams(topk=K))
+    ext = indexcp.prefill_extents(bt, seq, query_start, 128)
+    shared = (threading.Barrier(W), [None] * W)
+    comms = [_ThreadComm(r, W, shared) for r in range(W)]
+    for use_op in (False, True):
+        got = torch.full((rows, H, K), -7, dtype=torch.int32)
+
+        def body(r):
+            t, v = tensor_cache(W=W, rank=r, pages=6)
+            indexcp.insert_keys(v, 0, keys, slots)
+            p = indexcp.PrefillPlan(rc, r, lim)
+            ws = torch.zeros(max(p.workspace_bytes, 16), dtype=torch.uint8)
+            out = torch.full((rows, p.num_heads, K), -7, dtype=torch.int32)
+            status = torch.full((1,), 5, dtype=torch.int32)
+            if use_op:
+                h, ph, ch = indexcp.ops.cache_handle(v), indexcp.ops.prefill_plan(rc, r, lim), \
+                    indexcp.ops.comm_handle(comms[r])
+                torch.ops.indexcp.prefill_run_(ph, h, t, 0, q8, bt, seq, query_start, ext.rows,
+                                               ext.max_rows_per_request, ext.gather_units, ws, out, status, ch)
+                for x in (h, ph, ch):
+                    indexcp.ops.release(x)
+            else:
+                p.run(v, 0, q8, bt, seq, query_start, ext, ws, out, comms[r], status)
+            assert status.item() == 0
+            got[:, p.head_begin:p.head_begin + p.num_heads] = out
+
+        class _Abort:
+            def abort(self):
+                shared[0].abort()
+
+        _run_threads(W, body, _Abort())
+        np.testing.assert_array_equal(got.numpy(), rep, err_msg=f"use_op={use_op}")
+    assert all(c.calls >= 2 for c in comms) and comms[0].bytes_sent > 0
+
+
+def _prefill_rank(rank, world, init, out_dir):
+    import torch.distributed as dist
+
+    import indexcp.distributed
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        H, K = 4, 8
+        keys, slots, bt, seq, query_start, q8, _ = _prefill_case(seed=31, H=H, K=K)
+        rows = q8.shape[0]
+        ext = indexcp.prefill_extents(bt, seq, query_start, 128)
+        comm = indexcp.distributed.TorchCommunicator()
+        assert (comm.rank, comm.world) == (rank, world)
+        for prefill_cp in ("gather", "local_score"):
+            rc = indexcp.resolve_config(
+                indexcp.AttentionConfig.from_json('{"indexer_cache_sharding": "on", "indexer_kv_dtype": "nvfp4", '
+                                                  '"indexer_prefill_cp": "%s"}' % prefill_cp),
+                indexcp.EngineParams(tp=world, heads=H, query_len=1))
+            lim = indexcp.PrefillLimits(max_requests=2, max_pages=3, max_rows=rows, heads=H,
+                                        sel=indexcp.SelectionParams(topk=K))
+            t, v = tensor_cache(W=world, rank=rank, pages=6)
+            indexcp.insert_keys(v, 0, keys, slots)
+            ph = indexcp.ops.prefill_plan(rc, rank, lim)
+            p = indexcp.ops.plan(ph)
+            h, ch = indexcp.ops.cache_handle(v), indexcp.ops.comm_handle(comm)
+            ws = torch.zeros(max(p.workspace_bytes, 16), dtype=torch.uint8)
+            for use_op in (False, True):
+                out = torch.full((rows, p.num_heads, K), -7, dtype=torch.int32)
+                status = torch.full((1,), 5, dtype=torch.int32)
+                if use_op:
+                    torch.ops.indexcp.prefill_run_(ph, h, t, 0, q8, bt, seq, query_start, ext.rows,
+                                                   ext.max_rows_per_request, ext.gather_units, ws, out, status, ch)
+                else:
+                    p.run(v, 0, q8, bt, seq, query_start, ext, ws, out, comm, status)
+                assert int(status[0]) == 0
+                np.save(f"{out_dir}/{prefill_cp}_{int(use_op)}_rank{rank}.npy", out.numpy())
+        assert comm.bytes_sent > 0
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_prefill_two_gloo_processes_through_torch_communicator(tmp_path):
+    """Item 3 of issue 24: two processes, a gloo group, sharded caches: the CPU PrefillPlan's gather
+    and local_score paths exchanging through indexcp.distributed.TorchCommunicator (binding and
+    op) give the replicated prefill bit for bit."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_prefill_rank, args=(2, f"file://{tmp_path}/rendezvous", str(tmp_path)), nprocs=2, join=True)
+    *_, rep = _prefill_case(seed=31)
+    for prefill_cp in ("gather", "local_score"):
+        for use_op in (0, 1):
+            got = np.concatenate([np.load(tmp_path / f"{prefill_cp}_{use_op}_rank{r}.npy") for r in range(2)], axis=1)
+            np.testing.assert_array_equal(got, rep, err_msg=f"{prefill_cp} use_op={use_op}")
+
+
+def test_torch_communicator_on_a_one_rank_group(tmp_path):
+    import torch.distributed as dist
+
+    import indexcp.distributed
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    try:
+        comm = indexcp.distributed.TorchCommunicator()
+        assert (comm.rank, comm.world) == (0, 1)
+        send = np.arange(1, 33, dtype=np.uint8)
+        recv = np.zeros(32, np.uint8)
+        comm.call_all_gather(send, recv)
+        np.testing.assert_array_equal(recv, send)
+        assert comm.bytes_sent == 32
+    finally:
+        dist.destroy_process_group()
