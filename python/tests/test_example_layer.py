@@ -1,7 +1,9 @@
 """The example sparse attention layer (examples/python/sparse_layer.py) on the CPU: a decode loop
 with Q = 8 speculative queries gives identical selections and attention outputs with the index
 cache sharded over two simulated ranks and replicated (the ops themselves are checked against the
-numpy spec implementation in test_torch.py / test_select.py)."""
+numpy spec implementation in test_torch.py / test_select.py); the capturable attention equals the
+loop; the CUDA-graph option refuses without CUDA and, on the GPU, replays equal the eager steps; the
+embedded real data through the layer's indexer gives decode_select's selections."""
 
 import os
 import sys
