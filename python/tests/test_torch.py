@@ -676,3 +676,38 @@ def test_torch_communicator_on_a_one_rank_group(tmp_path):
         assert comm.bytes_sent == 32
     finally:
         dist.destroy_process_group()
+
+
+def test_icp_decode_op_with_comm_handles_on_two_threads_equals_replicated():
+    """decode_run_ of an exchanging (ICP) plan with InProcessGroup comm handles, one thread per rank:
+    the union of the owned heads equals the replicated selection."""
+    W, H, Q, K = 2, 4, 1, 4
+    keys, slots, q8, bt, seq = _icp_inputs()
+    rt, rv = tensor_cache()
+    indexcp.insert_keys(rv, 0, keys, slots)
+    rep = np.zeros((2 * Q, H, K), np.int32)
+    indexcp.decode_select(rv, 0, q8, bt, seq, Q, 0, H, indexcp.SelectionParams(topk=K), indexcp.KRounding.e4m3, rep)
+    rc = indexcp.resolve_config(indexcp.AttentionConfig.from_json('{"indexer_cache_sharding": "on", '
+                                                                  '"indexer_kv_dtype": "nvfp4"}'),
+                                indexcp.EngineParams(tp=W, heads=H, query_len=Q))
+    lim = indexcp.DecodeLimits(max_requests=2, max_pages=3, query_len=Q, heads=H, sel=indexcp.SelectionParams(topk=K))
+    group = indexcp.InProcessGroup(W)
+    got = torch.full((2 * Q, H, K), -7, dtype=torch.int32)
+
+    def body(r):
+        t, v = tensor_cache(W=W, rank=r)
+        indexcp.insert_keys(v, 0, keys, slots)
+        ph, h, ch = indexcp.ops.decode_plan(rc, r, lim), indexcp.ops.cache_handle(v), indexcp.ops.comm_handle(group.comm(r))
+        p = indexcp.ops.plan(ph)
+        assert p.path == indexcp.DecodePath.icp
+        ws = torch.zeros(max(p.workspace_bytes, 16), dtype=torch.uint8)
+        out = torch.full((2 * Q, p.num_heads, K), -7, dtype=torch.int32)
+        status = torch.full((1,), 5, dtype=torch.int32)
+        torch.ops.indexcp.decode_run_(ph, h, t, 0, q8, bt, seq, ws, out, status, ch)
+        assert status.item() == 0
+        got[:, p.head_begin:p.head_begin + p.num_heads] = out
+        for x in (ph, h, ch):
+            indexcp.ops.release(x)
+
+    _run_threads(W, body, group)
+    np.testing.assert_array_equal(got.numpy(), rep)
