@@ -295,6 +295,8 @@ def main():
     ap.add_argument("--graph", action="store_true", help="also replay the step as a CUDA graph (CUDA only)")
     ap.add_argument("--real-data", action="store_true", help="the recall of the layer's indexer on data/minilm_stdlib")
     a = ap.parse_args()
+    if a.graph and (torch.device(a.device).type != "cuda" or not torch.cuda.is_available()):
+        ap.error("--graph: CUDA graphs need --device cuda and a GPU")
     if a.real_data:
         for sharding in (False, True):
             rec, _ = real_data_recall(sharding, device=a.device)
