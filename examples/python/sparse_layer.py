@@ -6,10 +6,23 @@ the replicated cache, decode_publish_ / all-gather / decode_merge_ for the shard
 simulated in one process); block-sparse attention over the K selected 128-token blocks of each
 index head runs in plain PyTorch over a paged bf16 KV cache that shares the block table.
 
+The decode step is also written without host synchronization (attend_dense: the selected blocks
+gathered from the paged cache with tensor indexing, masked softmax), so that one whole step
+(insert, Q cast, indexer ops, attention) is captured with torch.cuda.graph and replayed with each
+step's hidden states, slots, block table and seq_lens copied into the captured input tensors
+(decode_loop(..., graph=True), CUDA only; compared with the eager step: the selections bit for
+bit, the outputs to fp32 rounding). And
+real_data_recall() feeds the embedded real data's index keys and queries (data/minilm_stdlib)
+through the layer's indexer path (insert_keys_, quantize_queries_, the decode ops over W = 2
+shards or the replicated cache, Q = 8) and reports the recall against fp32 keys.
+
     python examples/python/sparse_layer.py            # sharding off vs on: identical selections and outputs
+    python examples/python/sparse_layer.py --device cuda --graph   # also graph replay == eager
+    python examples/python/sparse_layer.py --real-data              # recall of the layer's indexer
 """
 
 import argparse
+import os
 
 import torch
 
@@ -62,11 +75,14 @@ class SparseLayer:
         self.k_cache = torch.zeros(num_pages, page_size, kv_heads, head_dim, dtype=torch.bfloat16, device=d)
         self.v_cache = torch.zeros_like(self.k_cache)
 
-    def write(self, hidden, slots):
-        """Index keys into the index cache(s), K and V into the paged bf16 KV cache."""
-        ik = (hidden @ self.w_ik).contiguous()
+    def write_index_keys(self, ik, slots):
+        """Index keys fp32 [n, 128] at slots int64 [n] into the index cache(s)."""
         for t, h, *_ in {id(r[0]): r for r in self.ranks}.values():
             torch.ops.indexcp.insert_keys_(t, ik, slots, self.status, self.iws, h, 0, 1.0)
+
+    def write(self, hidden, slots):
+        """Index keys into the index cache(s), K and V into the paged bf16 KV cache."""
+        self.write_index_keys((hidden @ self.w_ik).contiguous(), slots)
         page, off = slots // self.P, slots % self.P
         self.k_cache[page, off] = (hidden @ self.w_k).view(-1, self.KVh, self.D).to(torch.bfloat16)
         self.v_cache[page, off] = (hidden @ self.w_v).view(-1, self.KVh, self.D).to(torch.bfloat16)
@@ -74,9 +90,13 @@ class SparseLayer:
     def select(self, hidden, block_table, seq_lens):
         """The selected blocks of every row and index head: int32 [rows, H, K]."""
         rows = hidden.shape[0]
+        return self.select_q((hidden @ self.w_iq).view(rows, self.H, 128).contiguous(), block_table, seq_lens)
+
+    def select_q(self, iq, block_table, seq_lens):
+        """The indexer on index queries fp32 [rows, H, 128]: int32 [rows, H, K]."""
+        rows = iq.shape[0]
         q8 = torch.zeros(rows, self.H, 128, dtype=torch.uint8, device=self.device)
-        torch.ops.indexcp.quantize_queries_((hidden @ self.w_iq).view(rows, self.H, 128).contiguous(), q8,
-                                            self.status)
+        torch.ops.indexcp.quantize_queries_(iq, q8, self.status)
         outs = []
         if self.eb == 0:  # replicated: every rank selects its owned heads
             for t, h, ph, p, ws in self.ranks:
@@ -119,17 +139,72 @@ class SparseLayer:
                 out[row, a] = w @ v
         return out.view(rows, -1) @ self.w_o
 
-    def step(self, hidden, slots, block_table, seq_lens):
+    def attend_dense(self, hidden, sel, block_table, seq_lens):
+        """attend() without host synchronization (capturable): every selected block's 128 tokens
+        gathered from the paged cache, tokens after the row's position and -1 slots masked, softmax
+        over the rest; a padding row (seq_len 0) gives zeros. Equal to attend() up to the order of
+        the sums (not bit for bit)."""
+        rows, dev = hidden.shape[0], self.device
+        q = (hidden @ self.w_q).view(rows, self.Qh, self.D)
+        r = torch.arange(rows, device=dev)
+        b = r // self.Q
+        pos = seq_lens.long()[b] - self.Q + r % self.Q  # [rows]
+        blocks = sel[:, torch.arange(self.Qh, device=dev) * self.H // self.Qh].long()  # [rows, Qh, K]
+        tok = blocks[..., None] * 128 + torch.arange(128, device=dev)  # [rows, Qh, K, 128]
+        valid = (blocks[..., None] >= 0) & (tok <= pos[:, None, None, None])
+        tok = tok.clamp(0, block_table.shape[1] * self.P - 1)
+        page = block_table.long()[b[:, None, None, None], tok // self.P]
+        kvh = (torch.arange(self.Qh, device=dev) * self.KVh // self.Qh)[None, :, None, None]
+        k = self.k_cache[page, tok % self.P, kvh].float()  # [rows, Qh, K, 128, D]
+        v = self.v_cache[page, tok % self.P, kvh].float()
+        logits = torch.einsum("rakpd,rad->rakp", k, q) / self.D ** 0.5
+        logits = logits.masked_fill(~valid, float("-inf")).reshape(rows, self.Qh, -1)
+        w = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # all masked (padding): zeros
+        out = torch.einsum("rat,ratd->rad", w, v.reshape(rows, self.Qh, -1, self.D))
+        return out.reshape(rows, -1) @ self.w_o
+
+    def step(self, hidden, slots, block_table, seq_lens, dense=False):
         self.write(hidden, slots)
         sel = self.select(hidden, block_table, seq_lens)
         (indexcp.cuda if self.device.type == "cuda" else indexcp).throw_if_refused(self.status)
-        return sel, self.attend(hidden, sel, block_table, seq_lens)
+        return sel, (self.attend_dense if dense else self.attend)(hidden, sel, block_table, seq_lens)
+
+    def graph_step(self, hidden, slots, block_table, seq_lens):
+        """One decode step captured as a CUDA graph over the given (static) input tensors; returns
+        (graph, sel, out): copy a new step's inputs into the same tensors, replay, read sel / out.
+        CUDA only (indexcp.InvalidArgumentError otherwise)."""
+        if self.device.type != "cuda" or not torch.cuda.is_available():
+            raise indexcp.InvalidArgumentError("graph: CUDA graphs need the layer on a CUDA device (device='cuda')")
+        indexcp.cuda.prepare_device()
+
+        def body():
+            self.write(hidden, slots)
+            sel = self.select(hidden, block_table, seq_lens)
+            return sel, self.attend_dense(hidden, sel, block_table, seq_lens)
+
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):  # warm-up (writes this step's keys, as the replay will again)
+            body()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            sel, out = body()
+        return g, sel, out
 
 
-def decode_loop(sharding, steps=3, prefix=(2500, 3100), seed=0, hidden=256, device="cpu", **kw):
-    """A prefix written at once, then `steps` decode steps of Q = 8 speculative tokens per request."""
+def decode_loop(sharding, steps=3, prefix=(2500, 3100), seed=0, hidden=256, device="cpu", dense=False, graph=False,
+                **kw):
+    """A prefix written at once, then `steps` decode steps of Q = 8 speculative tokens per request;
+    returns [(sel, out)] per step. dense: attend_dense instead of attend. graph (CUDA only): every
+    step replays one captured graph of the whole step with its inputs copied into the captured
+    tensors (attend_dense), and is checked against the eager step of a second layer made with the
+    same seed: selections bit for bit, outputs to rtol 1e-5 (AssertionError otherwise)."""
+    if graph and (torch.device(device).type != "cuda" or not torch.cuda.is_available()):
+        raise indexcp.InvalidArgumentError("graph: CUDA graphs need device='cuda' and a GPU")
     kw.setdefault("max_tokens", max(sum(prefix), 4096))  # the prefix is one insert
     layer = SparseLayer(hidden=hidden, sharding=sharding, seed=seed, device=device, **kw)
+    eager = SparseLayer(hidden=hidden, sharding=sharding, seed=seed, device=device, **kw) if graph else None
     d = torch.device(device)
     g = torch.Generator().manual_seed(seed + 1)
     R, Q, P = layer.R, layer.Q, layer.P
@@ -137,23 +212,100 @@ def decode_loop(sharding, steps=3, prefix=(2500, 3100), seed=0, hidden=256, devi
     lens = list(prefix)
     pre = torch.cat([block_table[b, torch.arange(n) // P].long() * P + torch.arange(n) % P
                      for b, n in enumerate(lens)])
-    layer.write(torch.randn(pre.numel(), hidden, generator=g).to(d), pre.to(d))
+    h0 = torch.randn(pre.numel(), hidden, generator=g).to(d)
+    layer.write(h0, pre.to(d))
+    if eager is not None:
+        eager.write(h0, pre.to(d))
     block_table = block_table.to(d)
-    results = []
+    results, captured = [], None
     for _ in range(steps):
         new = [torch.arange(n, n + Q) for n in lens]
         slots = torch.cat([block_table[b, p.to(d) // P].long() * P + p.to(d) % P for b, p in enumerate(new)])
         lens = [n + Q for n in lens]
         seq = torch.tensor(lens, dtype=torch.int32, device=d)
-        results.append(layer.step(torch.randn(R * Q, hidden, generator=g).to(d), slots, block_table, seq))
+        hidden_t = torch.randn(R * Q, hidden, generator=g).to(d)
+        if not graph:
+            results.append(layer.step(hidden_t, slots, block_table, seq, dense=dense))
+            continue
+        if captured is None:  # the static inputs, then the capture (over this step's inputs)
+            static = [hidden_t.clone(), slots.clone(), block_table.clone(), seq.clone()]
+            captured = layer.graph_step(*static)
+        for dst, src in zip(static, (hidden_t, slots, block_table, seq)):
+            dst.copy_(src)
+        g_, sel_g, out_g = captured
+        g_.replay()
+        torch.cuda.synchronize()
+        indexcp.cuda.throw_if_refused(layer.status)
+        sel_e, out_e = eager.step(hidden_t, slots, block_table, seq, dense=True)
+        # the selections bit for bit; the attention outputs to fp32 rounding (cuBLAS may pick other
+        # kernels inside a capture than eagerly)
+        assert torch.equal(sel_g, sel_e), "graph replay selections != eager"
+        assert torch.allclose(out_g, out_e, rtol=1e-5, atol=1e-6), "graph replay outputs != eager"
+        results.append((sel_g.clone(), out_g.clone()))
     return results
+
+
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "data", "minilm_stdlib")
+
+
+def real_data_recall(sharding=True, data=DATA, steps=(33000, 33008, 33016, 33024), device="cpu", tp=2):
+    """The embedded real data (4 requests x 33,024 tokens of index keys, queries at positions
+    32768..33023; examples/python/real_data_recall.py) through the layer's indexer path: every key
+    inserted with insert_keys_ into the layer's NVFP4 index cache(s) (W = tp shards, or replicated),
+    then one decode step of Q = 8 queries per request ending at each seq_len of `steps`
+    (quantize_queries_, decode_run_ or decode_publish_ / all-gather / decode_merge_). Returns
+    (recall against float64 scores of the unquantized keys, as real_data_recall.py computes it,
+    the selections int32 [len(steps) * 4 * 8, 4, 16])."""
+    import sys
+
+    import numpy as np
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import real_data_recall as rdr
+
+    keys = np.load(os.path.join(data, "keys.npy"))  # float16 [R, T, 128]
+    queries = np.load(os.path.join(data, "queries.npy"))  # float16 [R, 256, H, 128] at positions 32768..
+    R, T, H = keys.shape[0], keys.shape[1], queries.shape[2]
+    P, Q, K, first = 128, 8, rdr.K, 32768
+    pages = -(-T // P)
+    d = torch.device(device)
+    layer = SparseLayer(index_heads=H, topk=K, page_size=P, num_pages=R * pages, max_requests=R, query_len=Q, tp=tp,
+                        sharding=sharding, device=device, max_tokens=T)
+    block_table = torch.arange(R * pages, dtype=torch.int32).view(R, pages)
+    for r in range(R):
+        slots = block_table[r, torch.arange(T) // P].long() * P + torch.arange(T) % P
+        layer.write_index_keys(torch.from_numpy(keys[r].astype(np.float32)).to(d), slots.to(d))
+    block_table = block_table.to(d)
+    sels, refs = [], []
+    for s in steps:
+        iq = torch.from_numpy(queries[:, s - Q - first:s - first].astype(np.float32)).reshape(R * Q, H, 128)
+        seq = torch.full((R,), s, dtype=torch.int32, device=d)
+        sel = layer.select_q(iq.contiguous().to(d), block_table, seq)
+        (indexcp.cuda if d.type == "cuda" else indexcp).throw_if_refused(layer.status)
+        sels.append(sel.cpu().numpy())
+        refs.append(np.concatenate([rdr.reference_select(keys[r], queries[r, s - Q - first:s - first], s - Q, K)
+                                    for r in range(R)]))
+    sel, ref = np.concatenate(sels), np.concatenate(refs)
+    return rdr.recall(ref, sel), sel
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--graph", action="store_true", help="also replay the step as a CUDA graph (CUDA only)")
+    ap.add_argument("--real-data", action="store_true", help="the recall of the layer's indexer on data/minilm_stdlib")
     a = ap.parse_args()
+    if a.graph and (torch.device(a.device).type != "cuda" or not torch.cuda.is_available()):
+        ap.error("--graph: CUDA graphs need --device cuda and a GPU")
+    if a.real_data:
+        for sharding in (False, True):
+            rec, _ = real_data_recall(sharding, device=a.device)
+            print(f"real data through the layer's indexer (sharding {'on' if sharding else 'off'}): recall vs fp32 "
+                  f"keys {rec:.4f}")
+    if a.graph:
+        for sharding in (False, True):
+            decode_loop(sharding, a.steps, device=a.device, graph=True)
+            print(f"sharding {'on' if sharding else 'off'}: graph replay == eager in {a.steps} steps")
     off, on = decode_loop(False, a.steps, device=a.device), decode_loop(True, a.steps, device=a.device)
     for i, ((s0, o0), (s1, o1)) in enumerate(zip(off, on)):
         same = torch.equal(s0, s1) and torch.equal(o0, o1)

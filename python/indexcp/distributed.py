@@ -1,8 +1,14 @@
-"""ICP decode of one rank with the exchange through a ``torch.distributed`` process group (the
-convenience form of the split publish / all-gather / merge; plan.hpp DecodePlan, spec/indexer.md
-5). The all-gather is ``torch.distributed.all_gather_into_tensor`` on ``group`` (NCCL for CUDA
-tensors, e.g. gloo for CPU tensors); every rank of the group calls it with the same shapes.
-The replicated path exchanges nothing and runs the plan's ``run``."""
+"""The exchange through a ``torch.distributed`` process group.
+
+- :func:`decode`: ICP decode of one rank (the convenience form of the split publish / all-gather /
+  merge; plan.hpp DecodePlan, spec/indexer.md 5). The all-gather is
+  ``torch.distributed.all_gather_into_tensor`` on ``group`` (NCCL for CUDA tensors, e.g. gloo for
+  CPU tensors); every rank of the group calls it with the same shapes. The replicated path
+  exchanges nothing and runs the plan's ``run``.
+- :class:`TorchCommunicator`: a Communicator (comm.hpp) over a group, for the CPU plans'
+  ``run(comm=...)`` and the ops' ``comm_handle``: the exchanges that happen inside a run (the
+  sharded prefill paths, which have no split form) go through torch.distributed on CPU tensors.
+"""
 
 import torch
 import torch.distributed as dist
@@ -30,3 +36,26 @@ def decode(plan, cache, layer, q, block_table, seq_lens, workspace, send, recv, 
     plan.publish(cache, layer, q, block_table, seq_lens, workspace, send)
     dist.all_gather_into_tensor(recv, send, group=group)
     plan.merge(q, block_table, seq_lens, recv, out, status)
+
+
+class TorchCommunicator(_indexcp.HostCommunicator):
+    """A host Communicator (indexcp.HostCommunicator) whose collectives are torch.distributed's on
+    ``group`` (None: the default group), for the CPU plans: ``plan.run(..., comm=TorchCommunicator())``
+    or ``indexcp.ops.comm_handle(TorchCommunicator())``. rank and world are the group's at
+    construction. The library calls ``all_gather`` / ``all_to_all`` from inside the run on the calling
+    thread; each wraps the library's buffers as CPU uint8 tensors (no copies, valid only during the
+    call) and runs ``dist.all_gather_into_tensor`` / ``dist.all_to_all_single``, synchronously, so the
+    group's backend must take CPU tensors (gloo; not NCCL). Every rank must run the same plan calls
+    in the same order, as for any collective. The CUDA plans take only device communicators
+    (indexcp.cuda.DeviceGroup); with NCCL use the split form (publish / all-gather / merge,
+    :func:`decode`)."""
+
+    def __init__(self, group=None):
+        _indexcp.HostCommunicator.__init__(self, dist.get_rank(group), dist.get_world_size(group))
+        self.group = group
+
+    def all_gather(self, send, recv):
+        dist.all_gather_into_tensor(torch.from_numpy(recv), torch.from_numpy(send), group=self.group)
+
+    def all_to_all(self, send, recv):
+        dist.all_to_all_single(torch.from_numpy(recv), torch.from_numpy(send), group=self.group)

@@ -13,15 +13,21 @@ are constants to torch.compile and to a captured graph.
 
 Ops (docstrings of the functions they call give the shapes, dtypes and spec sections):
 
-- ``insert_keys_(cache, keys, slot_mapping, status, workspace, handle, layer, encode_scale)``:
-  insert_keys_async; mutates cache, status.
-- ``quantize_queries_(q, out, status)``: quantize_queries_async; mutates out, status.
-- ``decode_run_(plan, handle, cache, layer, q, block_table, seq_lens, workspace, out, status)``:
-  DecodePlan.run (replicated path, or a plan whose exchange is a Communicator); mutates
-  workspace, out, status.
+- ``insert_keys_(cache, keys, slot_mapping, status, workspace, handle, layer, encode_scale,
+  norm_weight=None, eps=1e-6, rope=False, rope_theta=5e6, positions=None, rope_cos_sin=None)``:
+  insert_keys_async with its pre-processing (RMSNorm, RoPE; spec/indexer.md 6); mutates cache,
+  status.
+- ``quantize_queries_(q, out, status, norm_weight=None, eps=1e-6, rope=False, rope_theta=5e6,
+  positions=None, rope_cos_sin=None)``: quantize_queries_async with the same pre-processing;
+  mutates out, status.
+- ``decode_run_(plan, handle, cache, layer, q, block_table, seq_lens, workspace, out, status,
+  comm=0)``: DecodePlan.run (replicated path, or an exchanging plan with a communicator handle
+  ``comm`` from :func:`comm_handle`); mutates workspace, out, status.
 - ``prefill_run_(plan, handle, cache, layer, q, block_table, seq_lens, query_start, rows,
-  max_rows_per_request, gather_units, workspace, out, status)``: PrefillPlan.run of a replicated
-  prefill plan (:func:`prefill_plan`; the extents as ints); mutates workspace, out, status.
+  max_rows_per_request, gather_units, workspace, out, status, comm=0)``: PrefillPlan.run
+  (:func:`prefill_plan`; the extents as ints); the gather / local_score paths exchange inside the
+  run through the communicator of handle ``comm`` (:func:`comm_handle`; every rank calls the op
+  on its own thread); mutates workspace, out, status.
 - ``decode_publish_(plan, handle, cache, layer, q, block_table, seq_lens, workspace, send)`` and
   ``decode_merge_(plan, q, block_table, seq_lens, recv, out, status)``: the split ICP exchange
   (the engine all-gathers ``send`` into ``recv`` with its own communicator in between).
@@ -41,6 +47,7 @@ _LIB = "indexcp"
 _lock = threading.Lock()
 _views = {}  # even handle -> (layout, num_pages, num_layers, rank, layer_stride)
 _plans = {}  # odd handle -> DecodePlan / PrefillPlan (CPU or CUDA)
+_comms = {}  # negative handle -> Communicator (InProcessGroup's) / cuda.DeviceComm; 0 means none
 _next = itertools.count(1)
 
 
@@ -80,6 +87,35 @@ def prefill_plan(config, rank: int, limits, device="cpu") -> int:
                        odd=True)
 
 
+def comm_handle(comm) -> int:
+    """A handle (a negative int; 0 stands for no communicator) for the ``comm`` argument of
+    ``decode_run_`` / ``prefill_run_``: ``indexcp.InProcessGroup(world).comm(rank)`` or an
+    ``indexcp.HostCommunicator`` (``indexcp.distributed.TorchCommunicator``) for CPU tensors,
+    ``indexcp.cuda.DeviceGroup(world).comm(rank)`` for CUDA tensors (the plan's run refuses the
+    other kind, naming comm). The handle keeps the communicator (and so its group) alive until
+    ``release(handle)``. InvalidArgumentError names comm when it is not a communicator."""
+    kinds = (_indexcp.Communicator,) + ((_indexcp.cuda.DeviceComm,) if hasattr(_indexcp.cuda, "DeviceComm") else ())
+    if not isinstance(comm, kinds):
+        raise _indexcp.InvalidArgumentError(
+            f"comm must be a communicator (InProcessGroup(world).comm(rank) or cuda.DeviceGroup(world).comm(rank)), "
+            f"got {type(comm).__name__}")
+    with _lock:
+        h = -1
+        while h in _comms:
+            h -= 1
+        _comms[h] = comm
+        return h
+
+
+def _comm(handle: int):
+    if handle == 0:
+        return None
+    if handle > 0:
+        raise _indexcp.InvalidArgumentError(f"comm = {handle} is not a communicator handle (comm_handle gives "
+                                            "negative ints; 0 for none)")
+    return _lookup(_comms, handle, "comm")
+
+
 def _lookup(table: dict, handle: int, what: str):
     try:
         return table[handle]
@@ -92,9 +128,10 @@ def plan(handle: int):
 
 
 def release(handle: int) -> None:
-    """Forgets a view or plan handle (the plan is freed once nothing else holds it)."""
+    """Forgets a view, plan or communicator handle (the object is freed once nothing else holds it)."""
     with _lock:
-        if _views.pop(handle, None) is None and _plans.pop(handle, None) is None:
+        if (_views.pop(handle, None) is None and _plans.pop(handle, None) is None
+                and _comms.pop(handle, None) is None):
             raise _indexcp.InvalidArgumentError(f"handle = {handle} is not a live handle")
 
 
@@ -113,37 +150,60 @@ def _stream(t: torch.Tensor) -> dict:
 
 @torch.library.custom_op(f"{_LIB}::insert_keys_", mutates_args=("cache", "status", "workspace"))
 def insert_keys_(cache: torch.Tensor, keys: torch.Tensor, slot_mapping: torch.Tensor, status: torch.Tensor,
-                 workspace: Optional[torch.Tensor], handle: int, layer: int, encode_scale: float = 1.0) -> None:
+                 workspace: Optional[torch.Tensor], handle: int, layer: int, encode_scale: float = 1.0,
+                 norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6, rope: bool = False,
+                 rope_theta: float = 5e6, positions: Optional[torch.Tensor] = None,
+                 rope_cos_sin: Optional[torch.Tensor] = None) -> None:
     """insert_keys_async into the cache tensor of `handle`'s geometry (keys fp32 or bf16
-    [num_tokens, 128], slot_mapping int64 [num_tokens], status uint8 [STATUS_BYTES])."""
+    [num_tokens, 128], slot_mapping int64 [num_tokens], status uint8 [STATUS_BYTES]).
+    Pre-processing before the quantization (spec/indexer.md 6): norm_weight fp32 [128] applies
+    Gemma-style RMSNorm with eps; rope=True applies partial NeoX RoPE (first 64 dims) at positions
+    int64 [num_tokens] with rope_theta (CPU), or from the table rope_cos_sin fp32 [positions, 64]
+    (fill_rope_table; required on CUDA tensors). Bad arguments raise InvalidArgumentError naming
+    them; a bad token is recorded in status and nothing of the batch is written."""
     _backend(cache).insert_keys_async(_view(handle, cache), layer, keys, slot_mapping, status, workspace,
-                                      encode_scale=encode_scale, **_stream(cache))
+                                      encode_scale=encode_scale, norm_weight=norm_weight, eps=eps, rope=rope,
+                                      rope_theta=rope_theta, positions=positions, rope_cos_sin=rope_cos_sin,
+                                      **_stream(cache))
 
 
 @torch.library.custom_op(f"{_LIB}::quantize_queries_", mutates_args=("out", "status"))
-def quantize_queries_(q: torch.Tensor, out: torch.Tensor, status: torch.Tensor) -> None:
-    """quantize_queries_async: q fp32 [num_tokens, heads, 128] -> out uint8 E4M3, refusals in status."""
-    _backend(q).quantize_queries_async(q, out, status, **_stream(q))
+def quantize_queries_(q: torch.Tensor, out: torch.Tensor, status: torch.Tensor,
+                      norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6, rope: bool = False,
+                      rope_theta: float = 5e6, positions: Optional[torch.Tensor] = None,
+                      rope_cos_sin: Optional[torch.Tensor] = None) -> None:
+    """quantize_queries_async: q fp32 [num_tokens, heads, 128] -> out uint8 E4M3 [num_tokens, heads,
+    128] (formats.md 5), NaN (before or after the pre-processing) recorded in status. The
+    pre-processing arguments are insert_keys_'s, applied to every head of a token."""
+    _backend(q).quantize_queries_async(q, out, status, norm_weight=norm_weight, eps=eps, rope=rope,
+                                       rope_theta=rope_theta, positions=positions, rope_cos_sin=rope_cos_sin,
+                                       **_stream(q))
 
 
 @torch.library.custom_op(f"{_LIB}::decode_run_", mutates_args=("workspace", "out", "status"))
 def decode_run_(plan: int, handle: int, cache: torch.Tensor, layer: int, q: torch.Tensor, block_table: torch.Tensor,
                 seq_lens: torch.Tensor, workspace: torch.Tensor, out: torch.Tensor,
-                status: Optional[torch.Tensor]) -> None:
-    """DecodePlan.run of plan `plan` over the cache tensor of geometry `handle`."""
-    _lookup(_plans, plan, "plan").run(_view(handle, cache), layer, q, block_table, seq_lens, workspace, out, None, status,
-                     **_stream(cache))
+                status: Optional[torch.Tensor], comm: int = 0) -> None:
+    """DecodePlan.run of plan `plan` over the cache tensor of geometry `handle`; comm: 0, or a
+    :func:`comm_handle` for an exchanging plan run on one thread per rank."""
+    _lookup(_plans, plan, "plan").run(_view(handle, cache), layer, q, block_table, seq_lens, workspace, out,
+                                      _comm(comm), status, **_stream(cache))
 
 
 @torch.library.custom_op(f"{_LIB}::prefill_run_", mutates_args=("workspace", "out", "status"))
 def prefill_run_(plan: int, handle: int, cache: torch.Tensor, layer: int, q: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, query_start: torch.Tensor, rows: int, max_rows_per_request: int,
                  gather_units: int, workspace: torch.Tensor, out: torch.Tensor,
-                 status: Optional[torch.Tensor]) -> None:
-    """PrefillPlan.run of plan `plan` with PrefillExtents(rows, max_rows_per_request, gather_units)."""
+                 status: Optional[torch.Tensor], comm: int = 0) -> None:
+    """PrefillPlan.run of plan `plan` with PrefillExtents(rows, max_rows_per_request, gather_units)
+    (spec/indexer.md 5). The gather and local_score plans exchange inside the run through the
+    communicator of handle `comm` (:func:`comm_handle`; required for them, 0 for the replicated
+    path): every rank calls the op at the same point on its own thread, and with the same extents
+    (the gather moves gather_chunks(extents) all-gathers). No split form: the library's prefill
+    exchange is not exposed between its steps."""
     ext = _indexcp.PrefillExtents(rows, max_rows_per_request, gather_units)
-    _lookup(_plans, plan, "plan").run(_view(handle, cache), layer, q, block_table, seq_lens, query_start, ext, workspace, out, None,
-                     status, **_stream(cache))
+    _lookup(_plans, plan, "plan").run(_view(handle, cache), layer, q, block_table, seq_lens, query_start, ext,
+                                      workspace, out, _comm(comm), status, **_stream(cache))
 
 
 @torch.library.custom_op(f"{_LIB}::decode_publish_", mutates_args=("workspace", "send"))

@@ -9,18 +9,42 @@
 #include "indexcp/cache.hpp"
 #include "indexcp/comm.hpp"
 #include "indexcp/plan.hpp"
+#include "indexcp/version.hpp"
 
 namespace indexcp::py {
 
-/// The CUDA plans' run exchanges through a device communicator (NCCL, cuda::DeviceGroup) whose
-/// collectives enqueue on the stream; the only Communicator Python can make is the host
-/// InProcessGroup's, whose all_gather is a host memcpy: given device pointers it would crash. So
-/// a CUDA run takes no comm (the replicated path); the exchanging paths use publish, the engine's
-/// all-gather and merge (or indexcp.distributed.decode).
-inline void refuse_host_comm(const Communicator* comm) {
-  if (comm != nullptr)
-    invalid("comm: the CUDA plans exchange through a device communicator, and Python has only the host "
-            "InProcessGroup's; pass comm=None and use publish / all-gather / merge (indexcp.distributed.decode)");
+/// A communicator of cuda::DeviceGroup (indexcp.cuda.DeviceGroup(world).comm(rank)): its
+/// collectives copy device buffers on the caller's stream. A distinct Python type, so that the
+/// plans can tell it from the host InProcessGroup's Communicator: the CUDA plans take only this
+/// one (InProcessGroup's all_gather is a host memcpy: given device pointers it would crash), the
+/// CPU plans only the host one. The group is kept alive by each of its DeviceComm objects.
+struct DeviceComm {
+  Communicator* comm = nullptr;
+};
+
+/// The `comm` argument of a plan's run: None -> nullptr; else the communicator of the plan's
+/// memory (host Communicator for the CPU plans, DeviceComm for the CUDA plans), refused by name
+/// otherwise.
+template <bool kCuda>
+Communicator* comm_arg(nb::handle comm) {
+  if (comm.is_none()) return nullptr;
+  if constexpr (kCuda) {
+    if (nb::isinstance<DeviceComm>(comm)) return nb::cast<DeviceComm&>(comm).comm;
+    if (nb::isinstance<Communicator>(comm))
+      invalid("comm: the CUDA plans exchange through a device communicator (indexcp.cuda.DeviceGroup(world)"
+              ".comm(rank)); InProcessGroup's copies host memory. Pass a DeviceGroup comm, or comm=None and "
+              "publish / all-gather / merge (indexcp.distributed.decode)");
+  } else {
+    if (nb::isinstance<Communicator>(comm)) return nb::cast<Communicator*>(comm);
+#if INDEXCP_CUDA_BACKEND
+    if (nb::isinstance<DeviceComm>(comm))
+      invalid("comm: a DeviceGroup communicator copies device memory; the CPU plans take a host "
+              "communicator (indexcp.InProcessGroup(world).comm(rank))");
+#endif
+  }
+  invalid(std::string("comm must be None or a communicator (") +
+          (kCuda ? "indexcp.cuda.DeviceGroup(world).comm(rank)" : "indexcp.InProcessGroup(world).comm(rank)") +
+          "), got " + nb::type_name(comm.type()).c_str());
 }
 
 using namespace nb::literals;
@@ -207,8 +231,9 @@ nb::class_<Plan> bind_decode_plan(nb::module_& m, Where w, const char* backend) 
            "cache"_a, "layer"_a)
       .def("run",
            [w](const Plan& p, const PyCacheView& cache, int32_t layer, In q, In block_table, In seq_lens,
-               std::optional<Out> workspace, Out out, Communicator* comm, std::optional<Out> status,
+               std::optional<Out> workspace, Out out, nb::handle comm_obj, std::optional<Out> status,
                std::optional<uintptr_t> stream) {
+             Communicator* comm = comm_arg<kCuda>(comm_obj);
              const CacheView& v = view_at(cache, w);
              const DeviceDecodeBatch b = decode_batch(p.limits(), q, block_table, seq_lens, w);
              int32_t* o = out_ptr(out, int64_t{b.num_requests} * p.limits().query_len, p.num_heads(),
@@ -217,7 +242,6 @@ nb::class_<Plan> bind_decode_plan(nb::module_& m, Where w, const char* backend) 
              size_t wsb = 0;
              void* ws = workspace_ptr(workspace, p.workspace_bytes(), &wsb, w);
              if constexpr (kCuda) {
-               refuse_host_comm(comm);
                auto* s = static_cast<CUstream_st*>(stream_of(stream));
                nb::gil_scoped_release nogil;
                p.run(v, layer, b, ws, wsb, o, comm, st, s);
@@ -231,8 +255,9 @@ nb::class_<Plan> bind_decode_plan(nb::module_& m, Where w, const char* backend) 
            "comm"_a.none() = nb::none(), "status"_a = nb::none(), nb::kw_only(), "stream"_a = nb::none(),
            "The whole step: q uint8 E4M3 [num_requests * Q, H, 128], block_table int32 [num_requests, "
            "limits.max_pages], seq_lens int32 [num_requests] (0 = padding) -> out int32 [num_requests * Q, "
-           "num_heads, K] (ascending ids, -1 padding). The exchanging paths need comm (a Communicator of "
-           "world ranks), or use publish + merge with the engine's own all-gather. status: uint32 [1] "
+           "num_heads, K] (ascending ids, -1 padding). The exchanging paths need comm (a communicator of "
+           "world ranks: InProcessGroup's for the CPU plans, indexcp.cuda.DeviceGroup's for the CUDA plans, "
+           "each rank on its own thread), or use publish + merge with the engine's own all-gather. status: uint32 [1] "
            "(StepStatus) or None.")
       .def("publish",
            [w](const Plan& p, const PyCacheView& cache, int32_t layer, In q, In block_table, In seq_lens,
@@ -303,7 +328,8 @@ void bind_prefill_plan(nb::module_& m, Where w, const char* backend) {
       .def("run",
            [w](const Plan& p, const PyCacheView& cache, int32_t layer, In q, In block_table, In seq_lens,
                In query_start, const PrefillExtents& extents, std::optional<Out> workspace, Out out,
-               Communicator* comm, std::optional<Out> status, std::optional<uintptr_t> stream) {
+               nb::handle comm_obj, std::optional<Out> status, std::optional<uintptr_t> stream) {
+             Communicator* comm = comm_arg<kCuda>(comm_obj);
              const CacheView& v = view_at(cache, w);
              const PrefillLimits& lim = p.limits();
              check(seq_lens, "seq_lens", {Dt::kI32}, {-1}, "[num_requests]", w);
@@ -325,7 +351,6 @@ void bind_prefill_plan(nb::module_& m, Where w, const char* backend) {
              b.query_start = static_cast<const int32_t*>(query_start.data());
              b.num_requests = static_cast<int32_t>(r);
              if constexpr (kCuda) {
-               refuse_host_comm(comm);
                auto* s = static_cast<CUstream_st*>(stream_of(stream));
                nb::gil_scoped_release nogil;
                p.run(v, layer, b, extents, ws, wsb, o, comm, st, s);
@@ -339,7 +364,13 @@ void bind_prefill_plan(nb::module_& m, Where w, const char* backend) {
            "out"_a, "comm"_a.none() = nb::none(), "status"_a = nb::none(), nb::kw_only(), "stream"_a = nb::none(),
            "q uint8 E4M3 [extents.rows, H, 128], block_table int32 [num_requests, limits.max_pages], seq_lens "
            "int32 [num_requests], query_start int32 [num_requests + 1] -> out int32 [extents.rows, num_heads, "
-           "K]. gather / local_score exchange through comm (a Communicator of world ranks).");
+           "K]. gather / local_score (spec/indexer.md 5) exchange inside run through comm, which they need: a "
+           "communicator of world ranks (InProcessGroup(world).comm(rank) for the CPU plans, "
+           "indexcp.cuda.DeviceGroup(world).comm(rank) for the CUDA plans; every rank calls run on its own "
+           "thread, the call releases the GIL). The library has no split form of the prefill exchange (a "
+           "gather run makes gather_chunks(extents) all-gathers between its steps), so an engine's own "
+           "communicator cannot stand in. InvalidArgumentError names comm when it is missing or of the "
+           "wrong memory.");
 }
 
 }  // namespace indexcp::py

@@ -93,6 +93,31 @@ void bind_cuda(nb::module_& m) {
         "q"_a, "out"_a, nb::kw_only(), "norm_weight"_a = nb::none(), "eps"_a = 1e-6f, "rope"_a = false,
         "rope_theta"_a = 5e6, "positions"_a = nb::none(), "stream"_a = nb::none(),
         "The synchronous, validating index-Q cast on the device (cuda.hpp quantize_queries).");
+  nb::class_<DeviceComm>(m, "DeviceComm",
+                         "Rank r's communicator of a DeviceGroup (comm.hpp Communicator over device buffers): "
+                         "the comm of the CUDA plans' run. Keeps its group alive.")
+      .def_prop_ro("rank", [](const DeviceComm& c) { return c.comm->rank(); })
+      .def_prop_ro("world", [](const DeviceComm& c) { return c.comm->world(); })
+      .def_prop_ro("bytes_sent", [](const DeviceComm& c) { return c.comm->bytes_sent(); });
+  nb::class_<cuda::DeviceGroup>(m, "DeviceGroup",
+                                "W simulated ranks in one process on the current CUDA device (cuda.hpp DeviceGroup): "
+                                "collectives copy device buffers with cudaMemcpyAsync on each rank's stream, ordered "
+                                "across the ranks' streams with events; the host threads meet at a barrier. Run each "
+                                "rank's calls on its own Python thread with its own stream (the calls release the "
+                                "GIL). world 1..64, else InvalidArgumentError naming world.")
+      .def(nb::init<int>(), "world"_a)
+      .def_prop_ro("world", &cuda::DeviceGroup::world)
+      .def("comm",
+           [](cuda::DeviceGroup& g, int rank) {
+             if (rank < 0 || rank >= g.world())
+               invalid("rank = " + std::to_string(rank) + " must lie in 0..world - 1 = " + std::to_string(g.world() - 1));
+             return DeviceComm{&g.comm(rank)};
+           },
+           "rank"_a, nb::keep_alive<0, 1>(), "Rank `rank`'s communicator (DeviceComm), for the CUDA plans' run(comm=).")
+      .def("abort", &cuda::DeviceGroup::abort, "Makes every pending and future collective raise.")
+      .def("depart", &cuda::DeviceGroup::depart, "rank"_a,
+           "Rank `rank` makes no further collective calls: a collective another rank waits in raises instead of "
+           "waiting forever.");
   bind_decode_plan<cuda::DecodePlan, true>(m, kDev, kGpu)
       .def("send_buffer",
            [](const cuda::DecodePlan& p, Out workspace) -> nb::object {

@@ -2,6 +2,8 @@
 // backend's calls (host memory: numpy arrays, CPU tensors, any DLPack producer on the CPU).
 #include <cstring>
 
+#include <nanobind/trampoline.h>
+
 #include "calls.hpp"
 #include "common.hpp"
 #include "indexcp/cache.hpp"
@@ -65,6 +67,57 @@ PrefillBatch host_prefill_batch(const std::optional<In>& q, const In& block_tabl
 int32_t* select_out(const Out& out, int64_t rows, int32_t nh, const SelectionParams& sel) {
   return out_ptr(out, rows, nh, sel.topk, kHost);
 }
+
+/// A Communicator whose collectives are Python methods (host memory only): the base of
+/// indexcp.distributed.TorchCommunicator. The library calls all_gather / all_to_all from inside a
+/// CPU plan's run, on the thread that called run, with the GIL released; each call takes the GIL
+/// back, wraps the library's buffers as numpy uint8 arrays (no copies, no owner: valid only
+/// during the call) and calls the Python method. rank / world are fixed at construction (the
+/// library asks for them without the GIL); bytes_sent is counted here, as InProcessGroup counts.
+class HostCommunicator : public Communicator {
+ public:
+  HostCommunicator(int rank, int world) : rank_(rank), world_(world) {
+    if (world < 1 || world > 64) invalid("world = " + std::to_string(world) + " must lie in 1..64");
+    if (rank < 0 || rank >= world)
+      invalid("rank = " + std::to_string(rank) + " must lie in 0..world - 1 = " + std::to_string(world - 1));
+  }
+  int rank() const override { return rank_; }
+  int world() const override { return world_; }
+  std::size_t bytes_sent() const override { return sent_; }
+  void all_gather(const void* send, void* recv, std::size_t bytes, void*) override {
+    collective(&HostCommunicator::py_all_gather, send, bytes, recv, bytes * world_);
+    sent_ += bytes;
+  }
+  void all_to_all(const void* send, void* recv, std::size_t bytes, void*) override {
+    collective(&HostCommunicator::py_all_to_all, send, bytes * world_, recv, bytes * world_);
+    sent_ += bytes * world_;
+  }
+  /// The Python methods (the trampoline's): send uint8 [n] (read it only), recv uint8 [m].
+  virtual void py_all_gather(nb::object send, nb::object recv) = 0;
+  virtual void py_all_to_all(nb::object send, nb::object recv) = 0;
+
+ private:
+  void collective(void (HostCommunicator::*f)(nb::object, nb::object), const void* send, size_t send_bytes,
+                  void* recv, size_t recv_bytes) {
+    nb::gil_scoped_acquire gil;
+    using Arr = nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>;
+    nb::object s = nb::cast(Arr(const_cast<void*>(send), {send_bytes}, nb::handle()), nb::rv_policy::reference);
+    nb::object r = nb::cast(Arr(recv, {recv_bytes}, nb::handle()), nb::rv_policy::reference);
+    (this->*f)(s, r);
+  }
+  int rank_, world_;
+  std::size_t sent_ = 0;
+};
+
+struct PyHostCommunicator : HostCommunicator {
+#if NB_VERSION_MAJOR >= 3
+  NB_TRAMPOLINE(HostCommunicator);
+#else
+  NB_TRAMPOLINE(HostCommunicator, 2);
+#endif
+  void py_all_gather(nb::object send, nb::object recv) override { NB_OVERRIDE_PURE_NAME("all_gather", py_all_gather, send, recv); }
+  void py_all_to_all(nb::object send, nb::object recv) override { NB_OVERRIDE_PURE_NAME("all_to_all", py_all_to_all, send, recv); }
+};
 
 template <class T>
 nb::ndarray<nb::numpy, T> owned_array(std::vector<T>&& v, std::initializer_list<size_t> shape) {
@@ -161,6 +214,28 @@ void bind_host(nb::module_& m) {
       .def_prop_ro("rank", &Communicator::rank)
       .def_prop_ro("world", &Communicator::world)
       .def_prop_ro("bytes_sent", &Communicator::bytes_sent);
+  nb::class_<HostCommunicator, Communicator, PyHostCommunicator>(
+      m, "HostCommunicator",
+      "A Communicator (comm.hpp) over host memory whose collectives are Python methods, for the CPU plans' "
+      "run(comm=...): subclass it, call HostCommunicator.__init__(self, rank, world) and define "
+      "all_gather(send, recv) (send uint8 [bytes], recv uint8 [world * bytes]: rank p's send lands at "
+      "recv[p * bytes:]) and all_to_all(send, recv) (both uint8 [world * bytes]: block p of send goes to rank p, "
+      "block p of recv came from rank p). The library calls them from inside run on the calling thread (the "
+      "GIL is taken back for the call); the arrays wrap the library's buffers without copies and are valid "
+      "only during the call (do not keep them; do not write send). A Python exception in them ends the run "
+      "with that exception. indexcp.distributed.TorchCommunicator is one over torch.distributed. "
+      "InvalidArgumentError names rank / world out of range.")
+      .def(nb::init<int, int>(), "rank"_a, "world"_a)
+      .def("call_all_gather",
+           [](HostCommunicator& c, Out send, Out recv) {
+             const int64_t n = check_bytes(send, "send", 0, 1, kHost);
+             check_bytes(recv, "recv", n * c.world(), 1, kHost);
+             nb::gil_scoped_release nogil;
+             c.all_gather(send.data(), recv.data(), static_cast<size_t>(n), nullptr);
+           },
+           "send"_a, "recv"_a,
+           "Calls the C++ all_gather as a plan does (GIL released, then taken back by the call): for tests of "
+           "a subclass. send uint8 [n], recv uint8 [>= world * n].");
   nb::class_<InProcessGroup>(m, "InProcessGroup",
                              "W ranks in one process, one thread each, exchanging host buffers (comm.hpp). Run "
                              "each rank's calls on its own Python thread: the calls release the GIL.")

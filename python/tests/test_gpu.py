@@ -245,3 +245,170 @@ def test_cuda_plans_refuse_a_host_communicator():
     group = indexcp.InProcessGroup(2)
     with pytest.raises(indexcp.InvalidArgumentError, match="comm"):
         p.run(v, 1, q8.cuda(), bt.cuda(), seq.cuda(), ws, out, group.comm(0))
+
+
+def _run_rank_threads(W, fn, group, timeout=300):
+    """fn(r) on W threads; the group is aborted when a rank fails or hangs."""
+    import threading
+    errors = []
+
+    def body(r):
+        try:
+            fn(r)
+        except BaseException as e:  # noqa: B902  (reported below)
+            errors.append(e)
+            group.abort()
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(W)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    if any(t.is_alive() for t in threads):
+        group.abort()
+        for t in threads:
+            t.join()
+        raise AssertionError("the ranks did not finish")
+    if errors:
+        raise errors[0]
+
+
+@pytest.mark.parametrize("prefill_cp", ["gather", "local_score"])
+def test_cuda_sharded_prefill_through_a_device_group_equals_the_cpu_replicated(prefill_cp):
+    """Item 1 of issue 24 on the GPU: two ranks on two threads, each with its own stream, its cache
+    shard and a DeviceGroup communicator, run the CUDA PrefillPlan (the binding, then the torch
+    op with a comm handle); the union of their owned heads equals the CPU replicated prefill bit for
+    bit (exact keys and integer queries: every score is exact on both backends)."""
+    W = 2
+    keys, slots, _, bt, seq = batch(seed=4, requests=2)
+    query_start = torch.tensor([0, 100, 137], dtype=torch.int32)
+    rows = 137
+    g = torch.Generator().manual_seed(8)
+    q32 = torch.randint(-8, 9, (rows, H, 128), generator=g).to(torch.float32)
+    q8 = torch.zeros(rows, H, 128, dtype=torch.uint8)
+    indexcp.quantize_queries(q32, q8)
+    sel = indexcp.SelectionParams(topk=K)
+    _, cv = caches(device="cpu")
+    indexcp.insert_keys(cv, 1, keys, slots)
+    rep = np.zeros((rows, H, K), np.int32)
+    indexcp.prefill_select(cv, 1, q8, bt, seq, query_start, 0, H, sel, rep)
+    assert (rep >= 0).sum() > rows * H
+    rc = indexcp.resolve_config(
+        indexcp.AttentionConfig.from_json('{"indexer_kv_dtype": "nvfp4", "indexer_cache_sharding": "on", '
+                                          '"indexer_prefill_cp": "%s"}' % prefill_cp),
+        indexcp.EngineParams(tp=W, heads=H, query_len=1))
+    lim = indexcp.PrefillLimits(max_requests=2, max_pages=bt.shape[1], max_rows=rows, heads=H, sel=sel)
+    ext = indexcp.prefill_extents(bt, seq, query_start, P)
+    dq8, dbt, dseq, dqs = q8.cuda(), bt.cuda(), seq.cuda(), query_start.cuda()
+    shards = []
+    for r in range(W):
+        t, v = caches(W=W, rank=r)
+        indexcp.cuda.insert_keys(v, 1, keys.cuda(), slots.cuda())
+        ph = indexcp.ops.prefill_plan(rc, r, lim, device="cuda")
+        plan = indexcp.ops.plan(ph)
+        assert isinstance(plan, indexcp.cuda.PrefillPlan) and plan.path == getattr(indexcp.PrefillPath, prefill_cp)
+        shards.append((t, v, plan, indexcp.ops.cache_handle(v), ph))
+    torch.cuda.synchronize()
+    for use_op in (False, True):
+        group = indexcp.cuda.DeviceGroup(W)
+        got = torch.full((rows, H, K), -7, dtype=torch.int32)
+
+        def rank(r):
+            t, v, plan, h, ph = shards[r]
+            s = torch.cuda.Stream()
+            with torch.cuda.stream(s):
+                ws = torch.zeros(plan.workspace_bytes, dtype=torch.uint8, device="cuda")
+                out = torch.full((rows, plan.num_heads, K), -7, dtype=torch.int32, device="cuda")
+                st = torch.full((1,), 5, dtype=torch.int32, device="cuda")
+                if use_op:
+                    ch = indexcp.ops.comm_handle(group.comm(r))
+                    torch.ops.indexcp.prefill_run_(ph, h, t, 1, dq8, dbt, dseq, dqs, ext.rows,
+                                                   ext.max_rows_per_request, ext.gather_units, ws, out, st, ch)
+                else:
+                    plan.run(v, 1, dq8, dbt, dseq, dqs, ext, ws, out, group.comm(r), st, stream=s.cuda_stream)
+            s.synchronize()
+            assert int(st.item()) == 0
+            got[:, plan.head_begin:plan.head_begin + plan.num_heads] = out.cpu()
+            if use_op:
+                indexcp.ops.release(ch)
+
+        _run_rank_threads(W, rank, group)
+        np.testing.assert_array_equal(got.numpy(), rep, err_msg=f"use_op={use_op}")
+    for _, _, _, h, ph in shards:
+        indexcp.ops.release(h)
+        indexcp.ops.release(ph)
+
+
+def test_device_group_comms_are_refused_by_the_cpu_plans_and_checked():
+    with pytest.raises(indexcp.InvalidArgumentError, match="world"):
+        indexcp.cuda.DeviceGroup(0)
+    group = indexcp.cuda.DeviceGroup(2)
+    with pytest.raises(indexcp.InvalidArgumentError, match="rank"):
+        group.comm(2)
+    c = group.comm(1)
+    assert (c.rank, c.world) == (1, 2)
+    rc = indexcp.resolve_config(
+        indexcp.AttentionConfig.from_json('{"indexer_kv_dtype": "nvfp4", "indexer_cache_sharding": "on"}'),
+        indexcp.EngineParams(tp=2, heads=H, query_len=Q))
+    _, _, _, bt, seq = batch()
+    p = indexcp.DecodePlan(rc, 1, limits(bt))
+    t, v = caches(W=2, rank=1, device="cpu")
+    q8 = torch.zeros(bt.shape[0] * Q, H, 128, dtype=torch.uint8)
+    out = torch.zeros(bt.shape[0] * Q, p.num_heads, K, dtype=torch.int32)
+    ws = torch.zeros(max(p.workspace_bytes, 16), dtype=torch.uint8)
+    with pytest.raises(indexcp.InvalidArgumentError, match="comm"):
+        p.run(v, 1, q8, bt, seq, ws, out, c)
+
+
+@pytest.mark.parametrize("norm,rope", [(True, False), (True, True)])
+def test_preprocess_ops_on_cuda_equal_the_cpu_ops(norm, rope):
+    """Item 2 on the GPU: insert_keys_ / quantize_queries_ with RMSNorm / RoPE on CUDA tensors
+    (eager and compiled) write the bytes the CPU ops write (the CPU ops equal spec_ref, test_torch)."""
+    g = torch.Generator().manual_seed(6)
+    n, theta, eps = 64, 1e4, 1e-6
+    keys = torch.randn(n, 128, generator=g) * 3
+    q = torch.randn(n, H, 128, generator=g) * 3
+    w = torch.randn(128, generator=g) * 0.2 if norm else None
+    pos = torch.randint(0, 500, (n,), generator=g, dtype=torch.int64) if rope else None
+    ctab = gtab = None
+    if rope:
+        ctab = torch.zeros(500, 64)
+        indexcp.fill_rope_table(ctab, theta)
+        gtab = torch.zeros(500, 64, device="cuda")
+        indexcp.cuda.fill_rope_table(gtab, theta)
+        assert torch.equal(gtab.cpu(), ctab)
+    slots = torch.randperm(40 * P, generator=g)[:n].to(torch.int64)
+
+    def fn(handle):
+        def step(cache, keys, slots, st_k, ws, q, q8, st_q, w, pos, table):
+            torch.ops.indexcp.insert_keys_(cache, keys, slots, st_k, ws, handle, 1, 1.0, w, eps, rope, theta, pos,
+                                           table)
+            torch.ops.indexcp.quantize_queries_(q, q8, st_q, w, eps, rope, theta, pos, table)
+        return step
+
+    ct, cv = caches(device="cpu")
+    ch = indexcp.ops.cache_handle(cv)
+    cst_k = torch.zeros(indexcp.STATUS_BYTES, dtype=torch.uint8)
+    cst_q = torch.zeros(indexcp.STATUS_BYTES, dtype=torch.uint8)
+    cq8 = torch.zeros(n, H, 128, dtype=torch.uint8)
+    fn(ch)(ct, keys, slots, cst_k, None, q, cq8, cst_q, w, pos, ctab)
+    indexcp.throw_if_refused(cst_k.numpy())
+    assert ct.any() and cq8.any()
+    gt, gv = caches()
+    gh = indexcp.ops.cache_handle(gv)
+    d = dict(device="cuda")
+    cu = (lambda x: None if x is None else x.cuda())
+    for f in (fn(gh), torch.compile(fn(gh), fullgraph=True)):
+        gt.zero_()
+        st_k = torch.zeros(indexcp.STATUS_BYTES, dtype=torch.uint8, **d)
+        st_q = torch.zeros(indexcp.STATUS_BYTES, dtype=torch.uint8, **d)
+        ws = torch.zeros(max(indexcp.cuda.insert_workspace_bytes(n), 16), dtype=torch.uint8, **d)
+        q8 = torch.zeros(n, H, 128, dtype=torch.uint8, **d)
+        f(gt, keys.cuda(), slots.cuda(), st_k, ws, q.cuda(), q8, st_q, cu(w), cu(pos), gtab)
+        torch.cuda.synchronize()
+        indexcp.cuda.throw_if_refused(st_k)
+        indexcp.cuda.throw_if_refused(st_q)
+        assert torch.equal(gt.cpu(), ct)
+        assert torch.equal(q8.cpu(), cq8)
+    indexcp.ops.release(ch)
+    indexcp.ops.release(gh)
