@@ -342,17 +342,39 @@ __device__ __forceinline__ void write_step_signature(const SelectLaunch& s) {
   if (lane < 16) s.signature[lane] = signature_word(s.sig, lane, h8, h9);
 }
 
-// True (on every lane of the warp) when some rank's record carries another signature than the
-// step this rank merges (the merge's rows and the plan's fields in mg.expect).
-__device__ __forceinline__ bool signatures_differ(const MergeLaunch& mg) {
-  uint32_t h8, h9;
-  step_hashes(mg.rows, h8, h9);
+// The merge's check of the step signatures, in two parts so that its loads leave with the row's
+// first loads instead of after the candidates: SignatureLoads issues this lane's hash terms and
+// its word of the first two ranks' signatures; signatures_differ then finishes the hashes and
+// compares (true on every lane of the warp when some rank's record carries another signature than
+// the step this rank merges: the merge's rows and the plan's fields in mg.expect).
+struct SignatureLoads {
+  uint32_t h8 = 0u, h9 = 0u;  // this lane's terms of the hashes
+  uint32_t first = 0u;        // word lane & 15 of rank lane >> 4's signature (when that rank exists)
+};
+
+__device__ __forceinline__ SignatureLoads signature_loads(const MergeLaunch& mg) {
+  SignatureLoads l;
+  const int lane = threadIdx.x & 31;
+  if (lane >> 4 < mg.world) l.first = mg.signature[static_cast<int64_t>(lane >> 4) * mg.rank_stride * 2 + (lane & 15)];
+  for (int32_t i = lane; i < mg.rows.num_requests; i += 32) l.h8 += step_signature_term(i, mg.rows.seq_lens[i]);
+  if (mg.rows.query_start != nullptr)
+    for (int32_t i = lane; i <= mg.rows.num_requests; i += 32) l.h9 += step_signature_term(i, mg.rows.query_start[i]);
+  return l;
+}
+
+__device__ __forceinline__ bool signatures_differ(const MergeLaunch& mg, const SignatureLoads& l) {
+  const uint32_t h8 = __reduce_add_sync(0xffffffffu, l.h8);
+  const uint32_t h9 = __reduce_add_sync(0xffffffffu, l.h9);
   const int lane = threadIdx.x & 31;
   const uint32_t mine = signature_word(mg.expect, lane & 15, h8, h9);
-  bool differ = false;
-  for (int p = lane >> 4; p < mg.world; p += 2)
+  bool differ = (lane >> 4 < mg.world) && l.first != mine;
+  for (int p = (lane >> 4) + 2; p < mg.world; p += 2)
     differ |= mg.signature[static_cast<int64_t>(p) * mg.rank_stride * 2 + (lane & 15)] != mine;
   return __any_sync(0xffffffffu, differ);
+}
+
+__device__ __forceinline__ bool signatures_differ(const MergeLaunch& mg) {
+  return signatures_differ(mg, signature_loads(mg));
 }
 
 // PUBLISH: a kernel instance each for select and publish (one instance holding both paths was
@@ -633,11 +655,14 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) merge_kernel(const MergeLau
   const int32_t init = sel.init_blocks;
   int32_t* o = mg.out + (row * mg.out_heads + mg.out_h0 + hh) * sel.topk;
   const int64_t per_rank = mg.rank_stride != 0 ? mg.rank_stride : mg.rows.rows * mg.heads * kk;
-  // The plans' step signatures (did every rank run this step?): checked after this warp's
-  // candidate loads are issued on the fast path, so that their latencies overlap.
+  // The plans' step signatures (did every rank run this step?): their loads are issued first, with
+  // the row's seq_lens load, and checked after this warp's candidate loads are issued on the fast
+  // path, so that the latencies overlap.
+  SignatureLoads sig_loads;
+  if (mg.signature != nullptr) sig_loads = signature_loads(mg);
   auto disagree = [&]() -> bool {
     if (mg.signature == nullptr) return false;
-    const bool differ = signatures_differ(mg);
+    const bool differ = signatures_differ(mg, sig_loads);
     if (mg.status != nullptr && problem == 0 && lane == 0)
       *mg.status = differ ? static_cast<uint32_t>(StepStatus::kRanksDisagree) : 0u;
     if (differ)
