@@ -2,8 +2,10 @@
 (insert one token per request, Q cast, decode plan run): the binding call (nanobind -> C++), the
 torch.ops.indexcp op (dispatcher + the op's Python body + the binding), and on CUDA the step
 replayed from a CUDA graph. Prints one JSON object (microseconds per call, median of --repeats
-runs of --iters calls each). Not a measurement of the C++ call itself: compare the binding rows
-with the C++ benchmarks of bench/ for that.
+runs of --iters calls each): per call "stream" = (the calls back to back, then a synchronize) /
+iters, and "host" = the same loop's time before the synchronize / iters, the time the host spends
+in the call. bench/cuda/call_overhead.cpp (build/bench/bench_call_overhead) times the matching
+C++ calls with the same shapes and method: the package's overhead is the difference.
 
     python python/bench/op_overhead.py --device cpu
     python python/bench/op_overhead.py --device cuda --out bench/results/python_op_overhead_h200.json
@@ -23,14 +25,17 @@ import indexcp.ops  # noqa: F401
 def timed(fn, iters, repeats, sync):
     fn()
     sync()
-    runs = []
+    stream, host = [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
         for _ in range(iters):
             fn()
+        t1 = time.perf_counter()
         sync()
-        runs.append((time.perf_counter() - t0) / iters * 1e6)
-    return round(statistics.median(runs), 2)
+        t2 = time.perf_counter()
+        host.append((t1 - t0) / iters * 1e6)
+        stream.append((t2 - t0) / iters * 1e6)
+    return {"stream": round(statistics.median(stream), 2), "host": round(statistics.median(host), 2)}
 
 
 def main():
