@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 
 import indexcp  # noqa: E402
 import indexcp.ops  # noqa: E402,F401
+from rank_threads import run_rank_threads  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.torch]
 
@@ -247,32 +248,6 @@ def test_cuda_plans_refuse_a_host_communicator():
         p.run(v, 1, q8.cuda(), bt.cuda(), seq.cuda(), ws, out, group.comm(0))
 
 
-def _run_rank_threads(W, fn, group, timeout=300):
-    """fn(r) on W threads; the group is aborted when a rank fails or hangs."""
-    import threading
-    errors = []
-
-    def body(r):
-        try:
-            fn(r)
-        except BaseException as e:  # noqa: B902  (reported below)
-            errors.append(e)
-            group.abort()
-
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(W)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-    if any(t.is_alive() for t in threads):
-        group.abort()
-        for t in threads:
-            t.join()
-        raise AssertionError("the ranks did not finish")
-    if errors:
-        raise errors[0]
-
-
 @pytest.mark.parametrize("prefill_cp", ["gather", "local_score"])
 def test_cuda_sharded_prefill_through_a_device_group_equals_the_cpu_replicated(prefill_cp):
     """Item 1 of issue 24 on the GPU: two ranks on two threads, each with its own stream, its cache
@@ -332,7 +307,7 @@ def test_cuda_sharded_prefill_through_a_device_group_equals_the_cpu_replicated(p
             if use_op:
                 indexcp.ops.release(ch)
 
-        _run_rank_threads(W, rank, group)
+        run_rank_threads(W, rank, group, timeout=300)
         np.testing.assert_array_equal(got.numpy(), rep, err_msg=f"use_op={use_op}")
     for _, _, _, h, ph in shards:
         indexcp.ops.release(h)

@@ -3,13 +3,13 @@ spec (spec_ref.py, indexer.md 3-5), and the plan / run and ICP forms against the
 selection: replicated, sharded over simulated ranks through the split publish / all-gather /
 merge, and through an InProcessGroup with one Python thread per rank."""
 
-import threading
 
 import numpy as np
 import pytest
 
 import indexcp
 import spec_ref as ref
+from rank_threads import run_rank_threads
 
 DT = {"nvfp4": indexcp.KvDtype.nvfp4, "fp8": indexcp.KvDtype.fp8}
 MODE = {"e4m3": indexcp.KRounding.e4m3, "exact": indexcp.KRounding.exact}
@@ -156,24 +156,6 @@ def test_icp_split_exchange_equals_replicated(W, P, decode_cp):
     np.testing.assert_array_equal(got, c.expected()[0])
 
 
-def run_ranks(W, fn):
-    errors = []
-
-    def body(r):
-        try:
-            fn(r)
-        except BaseException as e:  # noqa: B902  (reported below)
-            errors.append(e)
-
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(W)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-
-
 def test_icp_run_through_in_process_group():
     W = 2
     c = Case(W=W)
@@ -195,7 +177,7 @@ def test_icp_run_through_in_process_group():
                            indexcp.KRounding.e4m3, out2)
         sync[:, p.head_begin:p.head_begin + p.num_heads] = out2
 
-    run_ranks(W, rank)
+    run_rank_threads(W, rank)
     exp = c.expected()[0]
     np.testing.assert_array_equal(got, exp)
     np.testing.assert_array_equal(sync, exp)
@@ -242,7 +224,7 @@ def test_prefill_plans_equal_replicated_prefill(prefill_cp):
         assert status[0] == 0
         got[:, p.head_begin:p.head_begin + p.num_heads] = out
 
-    run_ranks(W, rank)
+    run_rank_threads(W, rank)
     np.testing.assert_array_equal(got, exp)
 
 

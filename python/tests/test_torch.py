@@ -10,6 +10,7 @@ torch = pytest.importorskip("torch")
 import indexcp  # noqa: E402
 import indexcp.ops  # noqa: E402,F401
 import spec_ref as ref  # noqa: E402
+from rank_threads import run_rank_threads  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -295,31 +296,15 @@ def test_op_handles_are_checked_and_released():
         indexcp.ops.cache_handle(per_layer)
 
 
-def _run_threads(W, fn, group, timeout=300):
-    """fn(r) on W threads (one rank each); the group is aborted when a rank fails or the ranks
-    do not finish, so that a broken exchange fails the test instead of hanging it."""
-    import threading
-    errors = []
-
-    def body(r):
-        try:
-            fn(r)
-        except BaseException as e:  # noqa: B902  (reported below)
-            errors.append(e)
-            group.abort()
-
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(W)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-    if any(t.is_alive() for t in threads):
-        group.abort()
-        for t in threads:
-            t.join()
-        raise AssertionError("the ranks did not finish")
-    if errors:
-        raise errors[0]
+def _sharded_prefill_config(prefill_cp, W, H, K, rows):
+    """The resolved config (NVFP4, sharding on, prefill_cp at TP W) and the limits of
+    _prefill_case's two requests of up to 3 pages."""
+    rc = indexcp.resolve_config(
+        indexcp.AttentionConfig.from_json('{"indexer_cache_sharding": "on", "indexer_kv_dtype": "nvfp4", '
+                                          '"indexer_prefill_cp": "%s"}' % prefill_cp),
+        indexcp.EngineParams(tp=W, heads=H, query_len=1))
+    lim = indexcp.PrefillLimits(max_requests=2, max_pages=3, max_rows=rows, heads=H, sel=indexcp.SelectionParams(topk=K))
+    return rc, lim
 
 
 def _prefill_case(seed=21, H=4, K=8):
@@ -350,12 +335,8 @@ def test_sharded_prefill_op_on_two_threads_equals_replicated(prefill_cp):
     W, H, K = 2, 4, 8
     keys, slots, bt, seq, query_start, q8, rep = _prefill_case(H=H, K=K)
     assert (rep >= 0).sum() > rep.shape[0] * rep.shape[1]  # more than the local block: a real selection
-    rc = indexcp.resolve_config(
-        indexcp.AttentionConfig.from_json('{"indexer_cache_sharding": "on", "indexer_kv_dtype": "nvfp4", '
-                                          '"indexer_prefill_cp": "%s"}' % prefill_cp),
-        indexcp.EngineParams(tp=W, heads=H, query_len=1))
     rows = q8.shape[0]
-    lim = indexcp.PrefillLimits(max_requests=2, max_pages=3, max_rows=rows, heads=H, sel=indexcp.SelectionParams(topk=K))
+    rc, lim = _sharded_prefill_config(prefill_cp, W, H, K, rows)
     ext = indexcp.prefill_extents(bt, seq, query_start, 128)
     e_rows, e_max, e_units = ext.rows, ext.max_rows_per_request, ext.gather_units
     group = indexcp.InProcessGroup(W)
@@ -390,7 +371,7 @@ def test_sharded_prefill_op_on_two_threads_equals_replicated(prefill_cp):
             assert status.item() == 0
             got[:, p.head_begin:p.head_begin + p.num_heads] = out
 
-        _run_threads(W, body, group)
+        run_rank_threads(W, body, group, timeout=300)
         np.testing.assert_array_equal(got.numpy(), rep, err_msg=f"compiled={compiled}")
     for t, h, ph, _, ch in ranks:
         indexcp.ops.release(ch)
@@ -401,12 +382,8 @@ def test_sharded_prefill_op_on_two_threads_equals_replicated(prefill_cp):
 def test_sharded_prefill_needs_a_communicator_of_host_memory():
     W, H, K = 2, 4, 8
     _, _, bt, seq, query_start, q8, _ = _prefill_case(H=H, K=K)
-    rc = indexcp.resolve_config(
-        indexcp.AttentionConfig.from_json('{"indexer_cache_sharding": "on", "indexer_kv_dtype": "nvfp4", '
-                                          '"indexer_prefill_cp": "gather"}'),
-        indexcp.EngineParams(tp=W, heads=H, query_len=1))
     rows = q8.shape[0]
-    lim = indexcp.PrefillLimits(max_requests=2, max_pages=3, max_rows=rows, heads=H, sel=indexcp.SelectionParams(topk=K))
+    rc, lim = _sharded_prefill_config("gather", W, H, K, rows)
     ext = indexcp.prefill_extents(bt, seq, query_start, 128)
     t, v = tensor_cache(W=W, rank=0, pages=6)
     h = indexcp.ops.cache_handle(v)
@@ -565,12 +542,8 @@ def test_sharded_prefill_through_a_python_communicator_equals_replicated(prefill
     import threading
     W, H, K = 2, 4, 8
     keys, slots, bt, seq, query_start, q8, rep = _prefill_case(seed=23, H=H, K=K)
-    rc = indexcp.resolve_config(
-        indexcp.AttentionConfig.from_json('{"indexer_cache_sharding": "on", "indexer_kv_dtype": "nvfp4", '
-                                          '"indexer_prefill_cp": "%s"}' % prefill_cp),
-        indexcp.EngineParams(tp=W, heads=H, query_len=1))
     rows = q8.shape[0]
-    lim = indexcp.PrefillLimits(max_requests=2, max_pages=3, max_rows=rows, heads=H, sel=indexcp.SelectionParams(topk=K))
+    rc, lim = _sharded_prefill_config(prefill_cp, W, H, K, rows)
     ext = indexcp.prefill_extents(bt, seq, query_start, 128)
     shared = (threading.Barrier(W), [None] * W)
     comms = [_ThreadComm(r, W, shared) for r in range(W)]
@@ -600,7 +573,7 @@ def test_sharded_prefill_through_a_python_communicator_equals_replicated(prefill
             def abort(self):
                 shared[0].abort()
 
-        _run_threads(W, body, _Abort())
+        run_rank_threads(W, body, _Abort(), timeout=300)
         np.testing.assert_array_equal(got.numpy(), rep, err_msg=f"use_op={use_op}")
     assert all(c.calls >= 2 for c in comms) and comms[0].bytes_sent > 0
 
@@ -619,12 +592,7 @@ def _prefill_rank(rank, world, init, out_dir):
         comm = indexcp.distributed.TorchCommunicator()
         assert (comm.rank, comm.world) == (rank, world)
         for prefill_cp in ("gather", "local_score"):
-            rc = indexcp.resolve_config(
-                indexcp.AttentionConfig.from_json('{"indexer_cache_sharding": "on", "indexer_kv_dtype": "nvfp4", '
-                                                  '"indexer_prefill_cp": "%s"}' % prefill_cp),
-                indexcp.EngineParams(tp=world, heads=H, query_len=1))
-            lim = indexcp.PrefillLimits(max_requests=2, max_pages=3, max_rows=rows, heads=H,
-                                        sel=indexcp.SelectionParams(topk=K))
+            rc, lim = _sharded_prefill_config(prefill_cp, world, H, K, rows)
             t, v = tensor_cache(W=world, rank=rank, pages=6)
             indexcp.insert_keys(v, 0, keys, slots)
             ph = indexcp.ops.prefill_plan(rc, rank, lim)
@@ -709,5 +677,5 @@ def test_icp_decode_op_with_comm_handles_on_two_threads_equals_replicated():
         for x in (ph, h, ch):
             indexcp.ops.release(x)
 
-    _run_threads(W, body, group)
+    run_rank_threads(W, body, group, timeout=300)
     np.testing.assert_array_equal(got.numpy(), rep)

@@ -21,16 +21,19 @@ using detail::now_s;
 namespace {
 
 // The report's capacity section: the stated budget, TP2 P128, NVFP4 KV and index.
+int64_t capacity_budget(const RunOptions& o) {
+  return budget_bytes_from_gib(o.capacity_budget_gib, "--capacity-budget-gib");
+}
+
 CapacityReport capacity_of(const RunOptions& o) {
-  const int64_t budget = budget_bytes_from_gib(o.capacity_budget_gib, "--capacity-budget-gib");
-  return plan_capacity(ModelDesc::builtin("minimax-m3"), budget, KvDtype::kNvfp4, KvDtype::kNvfp4, 2, 128);
+  return plan_capacity(ModelDesc::builtin("minimax-m3"), capacity_budget(o), KvDtype::kNvfp4, KvDtype::kNvfp4, 2, 128);
 }
 
 json capacity_json(const RunOptions& o) {
   const CapacityReport cap = capacity_of(o);
   json capj = json::parse(cap.to_json());
   capj["budget_gib_per_rank"] = o.capacity_budget_gib;
-  capj["note"] = upstream_reference_note("minimax-m3", budget_bytes_from_gib(o.capacity_budget_gib, "--capacity-budget-gib"));
+  capj["note"] = upstream_reference_note("minimax-m3", capacity_budget(o));
   if (cap.off.tokens == 0) capj["ratio"] = nullptr;  // fewer than one page fits: no ratio
   return capj;
 }
@@ -198,7 +201,8 @@ std::string run_table(const RunOptions& o, const Data& data, const Workload& w, 
   }
   os << "capacity, minimax-m3 at " << fmt("%g", o.capacity_budget_gib) << " GiB per rank, TP2 P128, NVFP4 KV + index: "
      << fmt_int(cap.off.tokens) << " tokens with sharding off, " << fmt_int(cap.on.tokens) << " on ("
-     << (cap.off.tokens ? "x" + fmt("%.3f", cap.ratio()) : std::string("no ratio: fewer than one page fits")) << ")\n";
+     << (cap.off.tokens ? std::string("x") + fmt("%.3f", cap.ratio()) : std::string("no ratio: fewer than one page fits"))
+     << ")\n";
   return os.str();
 }
 
