@@ -326,13 +326,16 @@ NB_MODULE(_indexcp, m) {
             check_cache_bytes(a, name.c_str(), w);
             c.ptrs.push_back(static_cast<uint8_t*>(a.data));
           }
-          c.view = make_cache_view_layers(layout, c.ptrs.data(), num_pages, static_cast<int32_t>(layers.size()),
-                                          rank, where);
+          // each array's size first: the library's overlap check compares the layers' regions of
+          // cache_layer_bytes each, and a too-small array's region may reach into another's
+          const int64_t layer_bytes = cache_layer_bytes(layout, num_pages);
           for (size_t l = 0; l < layers.size(); ++l)
-            if (static_cast<int64_t>(layers[l].nbytes()) < c.view.layer_bytes())
+            if (static_cast<int64_t>(layers[l].nbytes()) < layer_bytes)
               invalid("layers[" + std::to_string(l) + "] holds " + std::to_string(layers[l].nbytes()) +
                       " bytes but one layer of num_pages = " + std::to_string(num_pages) + " spans " +
-                      std::to_string(c.view.layer_bytes()) + " (cache_layer_bytes)");
+                      std::to_string(layer_bytes) + " (cache_layer_bytes)");
+          c.view = make_cache_view_layers(layout, c.ptrs.data(), num_pages, static_cast<int32_t>(layers.size()),
+                                          rank, where);
           c.required_bytes = c.view.layer_bytes();
           c.owner = nb::list(layer_objs);
           c.device_id = where == Where::kDevice ? info(layers[0]).device_id : -1;
