@@ -63,7 +63,10 @@ int64_t score_bytes_read(const KeySource& keys, int32_t seq_len, BlockFilter fil
 /// Fills n floats with -Inf.
 void launch_fill_neg_inf(float* p, int64_t n, cudaStream_t stream);
 
-struct SelectLaunch {
+// What the select and publish kernels read (a kernel parameter: kept to these fields, since a
+// larger parameter struct changed the CTA kernels' code generation and cost the publish about
+// 1 us, bench/NOTES.md "The decode plans and the step signature").
+struct SelectArgs {
   RowsView rows;
   const float* scores = nullptr;  ///< [rows, nh, max_blocks]
   int64_t max_blocks = 0;
@@ -77,9 +80,17 @@ struct SelectLaunch {
   PageLayout layout;  ///< publish: validity of a block on `rank` (rows stored), with `filter`
   int32_t rank = 0;
   BlockFilter filter;
-  /// publish: when non-null, one extra block, the grid's last, writes the step signature (plan.hpp) there: `sig` with
-  /// v[8] = the hash of rows.seq_lens[0, num_requests) and v[9] = of rows.query_start[0,
-  /// num_requests] (prefill; 0 for decode) computed on the device
+};
+/// The publish's step signature, a kernel parameter of its own: when `signature` is non-null,
+/// one extra block, the grid's last, writes the step signature (plan.hpp) there: `sig` with v[8]
+/// = the hash of rows.seq_lens[0, num_requests) and v[9] = of rows.query_start[0, num_requests]
+/// (prefill; 0 for decode) computed on the device.
+struct SignatureOut {
+  uint32_t* signature = nullptr;
+  StepSignature sig;
+};
+struct SelectLaunch : SelectArgs {
+  /// publish: see SignatureOut
   uint32_t* signature = nullptr;
   StepSignature sig;
 };

@@ -251,7 +251,7 @@ struct SelectProblem {
 
   // pub: publish (s.cands != nullptr, which the launch checked); a compile-time constant in each
   // kernel instance
-  __device__ __forceinline__ SelectProblem(const SelectLaunch& s, int64_t problem, bool pub) {
+  __device__ __forceinline__ SelectProblem(const SelectArgs& s, int64_t problem, bool pub) {
     row = problem / s.nh;
     hh = static_cast<int32_t>(problem % s.nh);
     const int64_t pos = row_position(s.rows, row);
@@ -335,11 +335,11 @@ __device__ __forceinline__ uint32_t signature_word(const StepSignature& sig, int
 }
 
 // The step signature of a plan's exchange record: warp 0 of block 0 of a publish.
-__device__ __forceinline__ void write_step_signature(const SelectLaunch& s) {
+__device__ __forceinline__ void write_step_signature(const RowsView& rows, const SignatureOut& so) {
   uint32_t h8, h9;
-  step_hashes(s.rows, h8, h9);
+  step_hashes(rows, h8, h9);
   const int lane = threadIdx.x & 31;
-  if (lane < 16) s.signature[lane] = signature_word(s.sig, lane, h8, h9);
+  if (lane < 16) so.signature[lane] = signature_word(so.sig, lane, h8, h9);
 }
 
 // The merge's check of the step signatures, in two parts so that its loads leave with the row's
@@ -380,12 +380,12 @@ __device__ __forceinline__ bool signatures_differ(const MergeLaunch& mg) {
 // PUBLISH: a kernel instance each for select and publish (one instance holding both paths was
 // 9,144 instructions long and stalled on instruction fetch: bench/NOTES.md, v10)
 template <bool PUBLISH>
-__global__ void __launch_bounds__(kWarpsPerCta * 32) select_warp_kernel(const SelectLaunch s) {
+__global__ void __launch_bounds__(kWarpsPerCta * 32) select_warp_kernel(const SelectArgs s, const SignatureOut so) {
   __shared__ WarpSmem shm[kWarpsPerCta];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t problem = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + warp;
-  if (PUBLISH && s.signature != nullptr && blockIdx.x == gridDim.x - 1) {  // the signature's own block
-    if (warp == 0) write_step_signature(s);
+  if (PUBLISH && so.signature != nullptr && blockIdx.x == gridDim.x - 1) {  // the signature's own block
+    if (warp == 0) write_step_signature(s.rows, so);
     return;
   }
   if (problem >= s.rows.rows * s.nh) return;
@@ -522,11 +522,11 @@ struct SelSmem {
 };
 
 template <bool PUBLISH>
-__global__ void __launch_bounds__(kSelThreads) select_cta_kernel(const SelectLaunch s) {
+__global__ void __launch_bounds__(kSelThreads) select_cta_kernel(const SelectArgs s, const SignatureOut so) {
   __shared__ SelSmem sh;
   const int tid = threadIdx.x;
-  if (PUBLISH && s.signature != nullptr && blockIdx.x == gridDim.x - 1) {  // the signature's own block
-    if (tid < 32) write_step_signature(s);
+  if (PUBLISH && so.signature != nullptr && blockIdx.x == gridDim.x - 1) {  // the signature's own block
+    if (tid < 32) write_step_signature(s.rows, so);
     return;
   }
   const SelectProblem pb(s, blockIdx.x, PUBLISH);
@@ -761,7 +761,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) merge_kernel(const MergeLau
   for (int k = init + got + lane; k < sel.topk; k += 32) o[k] = k == init + got ? local : -1;
 }
 
-__global__ void signature_kernel(const SelectLaunch s) { write_step_signature(s); }
+__global__ void signature_kernel(const RowsView rows, const SignatureOut so) { write_step_signature(rows, so); }
 
 __global__ void signature_status_kernel(const MergeLaunch mg) {
   const bool differ = signatures_differ(mg);
@@ -775,11 +775,15 @@ __global__ void signature_status_kernel(const MergeLaunch mg) {
 // schedulers idle), the warp kernel beyond (throughput: the CTA kernel does more work per key).
 // H200, `indexcp bench topk`: select 256 problems 19.7 -> 11.8 us, publish 512 problems 30.7 ->
 // 14.8 us with the CTA kernel; publish 2,048 problems 32.8 (warp) vs 41.6 us (CTA).
-void launch_select(const SelectLaunch& s, cudaStream_t stream) {
+void launch_select(const SelectLaunch& launch, cudaStream_t stream) {
+  const SelectArgs& s = launch;
+  SignatureOut so;
+  so.signature = launch.signature;
+  so.sig = launch.sig;
   const int64_t problems = s.rows.rows * s.nh;
   if (problems == 0) {
-    if (s.cands != nullptr && s.signature != nullptr) {  // a step without rows still signs its record
-      signature_kernel<<<1, 32, 0, stream>>>(s);
+    if (s.cands != nullptr && so.signature != nullptr) {  // a step without rows still signs its record
+      signature_kernel<<<1, 32, 0, stream>>>(s.rows, so);
       INDEXCP_CUDA_LAUNCH_CHECK("signature kernel launch");
     }
     return;
@@ -801,11 +805,11 @@ void launch_select(const SelectLaunch& s, cudaStream_t stream) {
   // a publish that signs its record gets one more block, which writes the signature alone (in
   // parallel with the problems: no block's work grows)
   const unsigned ctas = static_cast<unsigned>((cta ? problems : ceil_div(problems, kWarpsPerCta)) +
-                                              (publish && s.signature != nullptr ? 1 : 0));
-  if (cta && publish) select_cta_kernel<true><<<ctas, kSelThreads, 0, stream>>>(s);
-  else if (cta) select_cta_kernel<false><<<ctas, kSelThreads, 0, stream>>>(s);
-  else if (publish) select_warp_kernel<true><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s);
-  else select_warp_kernel<false><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s);
+                                              (publish && so.signature != nullptr ? 1 : 0));
+  if (cta && publish) select_cta_kernel<true><<<ctas, kSelThreads, 0, stream>>>(s, so);
+  else if (cta) select_cta_kernel<false><<<ctas, kSelThreads, 0, stream>>>(s, SignatureOut{});
+  else if (publish) select_warp_kernel<true><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, so);
+  else select_warp_kernel<false><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, SignatureOut{});
   INDEXCP_CUDA_LAUNCH_CHECK("select kernel launch");
 }
 
