@@ -1,4 +1,4 @@
-// Internal helpers of the CUDA backend: error checks, the score order key, small PTX wrappers.
+// Internal helpers of the CUDA backend: error checks, the score order key.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -56,14 +56,5 @@ __host__ __device__ __forceinline__ uint32_t score_key(float s) {
 __host__ __device__ __forceinline__ uint64_t cand_key(float s, int32_t id) {
   return (static_cast<uint64_t>(score_key(s)) << 32) | static_cast<uint64_t>(0xffffffffu - static_cast<uint32_t>(id));
 }
-
-#if defined(__CUDACC__)
-/// PTX prmt.b32 in its default mode (selector nibble bit 3 replicates the sign of the byte).
-__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
-  uint32_t r;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
-  return r;
-}
-#endif
 
 }  // namespace indexcp::cuda::detail

@@ -13,7 +13,8 @@
 // 32 query vectors per CTA (NT = 2, 4) in the sm_90a code, with wgmma.m64n16k16 / m64n32k16 (A =
 // the same fragments from registers, B = the query vectors in shared memory). A thread of a
 // quad holds 32 consecutive dimensions of its two rows; the k order of the MMA is a fixed
-// permutation of the 128 dimensions, the same in every scorer of this backend, so a (query,
+// permutation of the 128 dimensions (score/form.hpp, the dot-product form, tested on the CPU),
+// the same in every scorer of this backend, so a (query,
 // head, token) dot product has the same bits wherever it is computed: mma.sync and wgmma compute
 // each 16-product step alike (tests/gpu/test_gpu_decode.cpp, All/GpuHeadWidth.*, compares every
 // score of a head scored alone (mma.sync), in a pair and with all four heads (wgmma) bit for bit).
@@ -260,7 +261,7 @@ __global__ void __launch_bounds__(warps_of<MODE>() * 32, minb_of<MODE>()) score_
       if (e < 8 * NT * 32 && n < nvec) {
         const int i = n / a.nh, hh = n % a.nh;
         const uint8_t* qv = a.q + ((static_cast<int64_t>(ri.row0) + i) * a.heads + a.h0 + hh) * kHeadDim;
-        const int d = 32 * (ln & 3) + 4 * s;  // dims d .. d + 3
+        const int d = form_dim(s, ln & 3, 0, 0);  // k-step s takes dims d .. d + 3 (form.hpp)
         if (q_aligned) {
           qraw[it] = *reinterpret_cast<const uint32_t*>(qv + d);
         } else {
@@ -277,8 +278,8 @@ __global__ void __launch_bounds__(warps_of<MODE>() * 32, minb_of<MODE>()) score_
       const int ln = (e / NW) & 31, nt = (e / (NW * 32)) % NG * NW + e % NW, s = e / (NW * 32 * NG);
       const uint32_t w = qraw[it];  // 0 (= +0.0 in E4M3) for vectors past nvec
       uint2 v;
-      v.x = q_pair_bytes(w & 0xffu, (w >> 16) & 0xffu);         // dims d, d + 2
-      v.y = q_pair_bytes((w >> 8) & 0xffu, (w >> 24) & 0xffu);  // dims d + 1, d + 3
+      v.x = q_pair_bytes(w & 0xffu, (w >> 16) & 0xffu);         // first pair: dims d, d + 2
+      v.y = q_pair_bytes((w >> 8) & 0xffu, (w >> 24) & 0xffu);  // second pair: dims d + 1, d + 3
       if constexpr (WG) {
         uint32_t* qw = reinterpret_cast<uint32_t*>(qf);
         qw[wg_b_index<NT>(s, nt * 8 + (ln >> 2), 0, ln & 3)] = v.x;
@@ -451,13 +452,7 @@ void ensure_tables(cudaStream_t stream) {
                 "stream is being captured but device " + std::to_string(dev) +
                     " was not prepared: call cuda::prepare_device() (or create a DeviceCache) before the capture");
   uint2 t[256];
-  for (int s = 0; s < 256; ++s) {
-    const uint8_t mag_scale = static_cast<uint8_t>(s & 0x7f);  // the sign is applied to the codes
-    uint8_t m[8];
-    for (int c = 0; c < 8; ++c) m[c] = e4m3_encode(e2m1_decode(static_cast<uint8_t>(c)) * e4m3_decode(mag_scale));
-    t[s].x = m[0] | (m[1] << 8) | (m[2] << 16) | (static_cast<uint32_t>(m[3]) << 24);
-    t[s].y = m[4] | (m[5] << 8) | (m[6] << 16) | (static_cast<uint32_t>(m[7]) << 24);
-  }
+  for (int s = 0; s < 256; ++s) form_khat_entry(static_cast<uint8_t>(s), &t[s].x, &t[s].y);
   check(cudaMemcpyToSymbol(g_khat_lut, t, sizeof(t)), "cudaMemcpyToSymbol (k_hat table)");
   g_tables_done[dev] = 1;
 }

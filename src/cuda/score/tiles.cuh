@@ -8,6 +8,7 @@
 
 #include "cuda/common.cuh"
 #include "cuda/kernels.cuh"
+#include "cuda/score/form.hpp"
 #include "cuda/score/ptx.cuh"
 #include "cuda/score/schedule.cuh"
 
@@ -17,48 +18,18 @@ namespace indexcp::cuda::detail {
 namespace {
 
 // ---- key expansion ----------------------------------------------------------------------------
-// The k order of the MMA: in k-step s (0..7) the thread of quad lane t4 holds dims 32*t4 + 4s +
-// {0, 2} (A regs a0a1 / B regs b0b1) and 32*t4 + 4s + {1, 3} (a4a5 / b2b3). One 32-bit word of
-// 8 NVFP4 codes (dims 8j..8j+7 of the thread's 32) feeds k-steps 2j and 2j+1:
-//   h[0] = (c0, c2), h[1] = (c1, c3)  -> k-step 2j;   h[2] = (c4, c6), h[3] = (c5, c7) -> 2j+1.
-// fp16 bits of an E4M3 value x 2^-8: sign << 15 | magnitude byte << 7 (exact, subnormals too).
+// The k order and the integer code are form.hpp's (the dot-product form, tested on the CPU):
+// word j of a thread's row (dims 8j .. 8j + 7 of its 32) feeds k-steps 2j (pairs h[0], h[1]) and
+// 2j + 1 (h[2], h[3]); each pair holds dims (d, d + 2).
 
-// NVFP4, E4M3 rounding: |k| bytes from the per-scale table, signs by sign-replicating the byte
-// of w (or w << 4) whose top bit is the code's sign bit.
-__device__ __forceinline__ void expand_e4m3(uint32_t w, uint2 lut, uint32_t* h) {
-  const uint32_t m = w & 0x77777777u;
-  const uint32_t plo = prmt(lut.x, lut.y, m);        // [M0 M1 M2 M3]
-  const uint32_t phi = prmt(lut.x, lut.y, __umulhi(m, 1u << 16));  // [M4 M5 M6 M7]; m >> 16 on the FMA pipe
-  const uint32_t w4 = w << 4;
-  h[0] = (prmt(plo, w4, 0xD2C0u) << 7) & 0xFF80FF80u;  // [M0, s0 x8, M2, s2 x8]
-  h[1] = (prmt(plo, w, 0xD3C1u) << 7) & 0xFF80FF80u;   // [M1, s1, M3, s3]
-  h[2] = (prmt(phi, w4, 0xF2E0u) << 7) & 0xFF80FF80u;  // [M4, s4, M6, s6]
-  h[3] = (prmt(phi, w, 0xF3E1u) << 7) & 0xFF80FF80u;   // [M5, s5, M7, s7]
+// NVFP4, E4M3 rounding: fp16 bits of k_hat x 2^-8 from the scale's table entry.
+__device__ __forceinline__ void expand_e4m3(uint32_t w, uint2 lut, uint32_t (&h)[4]) {
+  form_expand_e4m3(w, lut.x, lut.y, h);
 }
 
-// NVFP4, exact rounding: fp16 |e2m1| from a fixed table, sign, times the scale (exact).
-__device__ __forceinline__ void expand_exact(uint32_t w, __half2 sc2, uint32_t* h) {
-  constexpr uint32_t E0 = 0x3E3C3800u, E1 = 0x46444240u;  // fp16 high bytes of |e2m1| 0..7
-  const uint32_t m = w & 0x77777777u;
-  const uint32_t plo = prmt(E0, E1, m), phi = prmt(E0, E1, m >> 16);
-  const uint32_t w4 = w << 4;
-  // magnitudes into the high byte of each half (low byte: sign-replicate of a byte < 0x80 = 0)
-  const uint32_t x0 = prmt(plo, 0u, 0x2808u), x1 = prmt(plo, 0u, 0x3818u);
-  const uint32_t x2 = prmt(phi, 0u, 0x2808u), x3 = prmt(phi, 0u, 0x3818u);
-  const uint32_t s0 = prmt(w4, 0u, 0x9888u) & 0x80008000u;  // [_, s0, _, s2] (bytes 0/1 of w4)
-  const uint32_t s1 = prmt(w, 0u, 0x9888u) & 0x80008000u;   // [_, s1, _, s3]
-  const uint32_t s2 = prmt(w4, 0u, 0xBAAAu) & 0x80008000u;  // [_, s4, _, s6] (bytes 2/3)
-  const uint32_t s3 = prmt(w, 0u, 0xBAAAu) & 0x80008000u;   // [_, s5, _, s7]
-  h[0] = h2_bits(__hmul2(bits_h2(x0 | s0), sc2));
-  h[1] = h2_bits(__hmul2(bits_h2(x1 | s1), sc2));
-  h[2] = h2_bits(__hmul2(bits_h2(x2 | s2), sc2));
-  h[3] = h2_bits(__hmul2(bits_h2(x3 | s3), sc2));
-}
-
-// FP8 keys: one word x of 4 E4M3 bytes (dims 4s..4s+3) -> (b0, b2), (b1, b3).
-__device__ __forceinline__ void expand_fp8(uint32_t x, uint32_t* lo, uint32_t* hi) {
-  *lo = (prmt(x, x, 0xA280u) << 7) & 0xBF80BF80u;  // [b0, s0 x8, b2, s2 x8]
-  *hi = (prmt(x, x, 0xB391u) << 7) & 0xBF80BF80u;  // [b1, s1, b3, s3]
+// NVFP4, exact rounding: fp16 +-|e2m1|, times the scale (exact).
+__device__ __forceinline__ void expand_exact(uint32_t w, __half2 sc2, uint32_t (&h)[4]) {
+  form_expand_e2m1(w, h, [sc2](uint32_t x) { return h2_bits(__hmul2(bits_h2(x), sc2)); });
 }
 
 __device__ __forceinline__ uint32_t q_pair_bytes(uint32_t b0, uint32_t b1) {
@@ -139,8 +110,8 @@ __device__ __forceinline__ void tile_frags(const uint8_t* st, int rb, int g, int
 #pragma unroll
     for (int s = 0; s < 8; ++s) {
       uint32_t A[4];
-      expand_fp8(x0[s], &A[0], &A[2]);
-      expand_fp8(x1[s], &A[1], &A[3]);
+      form_expand_fp8(x0[s], &A[0], &A[2]);
+      form_expand_fp8(x1[s], &A[1], &A[3]);
       f(s, A);
     }
   } else {

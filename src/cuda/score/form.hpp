@@ -1,0 +1,122 @@
+// The dot-product form of the CUDA backend's scorers (issue "Decode scorer at the memory floor"
+// owns it): which dimension of a key and of a query meets which k slot of the fp16 MMA, and the
+// integer code that turns stored key bytes into fp16 MMA fragments in that order. Plain C++ with
+// no CUDA header, so that the CPU suite checks every expansion against formats.hpp
+// (tests/test_score_form.cpp); tiles.cuh and score.cu are its only users on the device.
+//
+// The MMA is mma.sync.m16n8k16 (or wgmma m64nNk16 with A from registers): in k-step s (0..7) the
+// thread of quad lane t4 holds two fp16 pairs of each of its rows, the "first" pair at k = 2 t4,
+// 2 t4 + 1 (A regs a0a1, B reg b0) and the "second" at k = 2 t4 + 8, + 9 (a4a5, b1). A thread owns
+// 32 consecutive dimensions of its rows (32 t4 .. 32 t4 + 31): k-step s takes dims 32 t4 + 4s ..
+// 32 t4 + 4s + 3, the first pair (d, d + 2) and the second (d + 1, d + 3). One 32-bit word of 8
+// NVFP4 codes (word j: dims 8j .. 8j + 7 of the thread's 32), or two words of 4 FP8 bytes, feeds
+// k-steps 2j and 2j + 1. form_dim is the map; the query fragments are built from it and the key
+// expansions below produce it.
+//
+// Why (d, d + 2): one table prmt gives the E4M3 magnitudes of 4 codes as bytes; a second prmt
+// places two of them in the two fp16 halves of a pair together with their signs, because the
+// signs of codes c and c + 2 are the top bits of bytes of w (odd c) or of w << 4 (even c), which
+// prmt's sign mode replicates; then one shift by 7 and one mask. That is 3 instructions per pair
+// plus 5 per word (17 per 8 codes; ptxas issues the shifts as IMAD.SHL on the FMA pipe). Pairs of
+// other dims cost more (bench/NOTES.md, v13: (d, d + 4), whose signs sit 16 bits apart, needs 19).
+
+#pragma once
+
+#include <cstdint>
+
+#include "indexcp/formats.hpp"
+
+namespace indexcp::cuda::detail {
+
+/// Dimension (0..127) of the key and of the query at k-step s (0..7), quad lane t4 (0..3), pair
+/// (0: first, k = 2 t4 + jj; 1: second, k = 2 t4 + 8 + jj) and half jj (0, 1) of the fp16 pair.
+INDEXCP_HD constexpr int form_dim(int s, int t4, int pair, int jj) { return 32 * t4 + 4 * s + pair + 2 * jj; }
+
+/// PTX prmt.b32 in its default mode: byte i of the result is byte (sel >> 4i) & 7 of the 8 bytes
+/// {a, b} (a = bytes 0..3); with bit 3 of that nibble set, the byte's sign bit replicated (0x00 or
+/// 0xFF). The device issues the instruction; the host computes the same.
+INDEXCP_HD uint32_t form_prmt(uint32_t a, uint32_t b, uint32_t sel) {
+#if defined(__CUDA_ARCH__)
+  uint32_t r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+  return r;
+#else
+  const uint64_t src = static_cast<uint64_t>(b) << 32 | a;
+  uint32_t r = 0;
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t nib = (sel >> (4 * i)) & 0xFu;
+    uint32_t byte = static_cast<uint32_t>(src >> (8 * (nib & 7u))) & 0xFFu;
+    if (nib & 8u) byte = (byte & 0x80u) ? 0xFFu : 0x00u;
+    r |= byte << (8 * i);
+  }
+  return r;
+#endif
+}
+/// The high 32 bits of a * b: with b = 2^(32 - n) a right shift by n on the FMA pipe.
+INDEXCP_HD uint32_t form_mulhi(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  return __umulhi(a, b);
+#else
+  return static_cast<uint32_t>((static_cast<uint64_t>(a) * b) >> 32);
+#endif
+}
+
+/// The k_hat table entry of one scale byte (NVFP4, E4M3 rounding; spec/formats.md section 5):
+/// byte c of {lo, hi} = e4m3_encode(e2m1(c) * e4m3(scale & 0x7f)) for the 8 magnitudes c; the
+/// scale's sign is applied to the codes (a negative scale flips every code's sign).
+INDEXCP_HD void form_khat_entry(uint8_t scale, uint32_t* lo, uint32_t* hi) {
+  const float sc = e4m3_decode(static_cast<uint8_t>(scale & 0x7fu));
+  uint32_t v[2] = {0u, 0u};
+  for (int c = 0; c < 8; ++c)
+    v[c >> 2] |= static_cast<uint32_t>(e4m3_encode(e2m1_decode(static_cast<uint8_t>(c)) * sc)) << (8 * (c & 3));
+  *lo = v[0];
+  *hi = v[1];
+}
+
+// The NVFP4 expansions: word w of 8 codes (code c = bits 4c .. 4c + 3, its sign at bit 4c + 3) ->
+// h[p], p = 2e + pair: the fp16 pair `pair` of k-step 2j + e (j = the word), i.e. codes
+// (4e + pair, 4e + pair + 2).
+
+/// NVFP4 with E4M3 rounding: the fp16 bits of k_hat x 2^-8 (exact, subnormals included: sign << 15
+/// | E4M3 magnitude << 7) from the scale's table entry.
+INDEXCP_HD void form_expand_e4m3(uint32_t w, uint32_t lut_lo, uint32_t lut_hi, uint32_t (&h)[4]) {
+  const uint32_t m = w & 0x77777777u;
+  const uint32_t plo = form_prmt(lut_lo, lut_hi, m);                         // [M0 M1 M2 M3]
+  const uint32_t phi = form_prmt(lut_lo, lut_hi, form_mulhi(m, 1u << 16));  // [M4 M5 M6 M7]
+  const uint32_t w4 = w << 4;
+  h[0] = (form_prmt(plo, w4, 0xD2C0u) << 7) & 0xFF80FF80u;  // [M0, s0 x8, M2, s2 x8]
+  h[1] = (form_prmt(plo, w, 0xD3C1u) << 7) & 0xFF80FF80u;   // [M1, s1, M3, s3]
+  h[2] = (form_prmt(phi, w4, 0xF2E0u) << 7) & 0xFF80FF80u;  // [M4, s4, M6, s6]
+  h[3] = (form_prmt(phi, w, 0xF3E1u) << 7) & 0xFF80FF80u;   // [M5, s5, M7, s7]
+}
+
+/// NVFP4, exact rounding (the SM107 semantics): h[p] = fin(the fp16 bits of +-|e2m1|); the device's
+/// fin multiplies by the scale in fp16 (exact), the host's test passes the bits through.
+template <class Fin>
+INDEXCP_HD void form_expand_e2m1(uint32_t w, uint32_t (&h)[4], Fin&& fin) {
+  constexpr uint32_t E0 = 0x3E3C3800u, E1 = 0x46444240u;  // fp16 high bytes of |e2m1| 0..7
+  const uint32_t m = w & 0x77777777u;
+  const uint32_t plo = form_prmt(E0, E1, m), phi = form_prmt(E0, E1, m >> 16);
+  const uint32_t w4 = w << 4;
+  // magnitudes into the high byte of each half (low byte: sign replicate of a byte < 0x80 = 0)
+  const uint32_t x0 = form_prmt(plo, 0u, 0x2808u), x1 = form_prmt(plo, 0u, 0x3818u);
+  const uint32_t x2 = form_prmt(phi, 0u, 0x2808u), x3 = form_prmt(phi, 0u, 0x3818u);
+  const uint32_t s0 = form_prmt(w4, 0u, 0x9888u) & 0x80008000u;  // [_, s0, _, s2] (bytes 0/1 of w4)
+  const uint32_t s1 = form_prmt(w, 0u, 0x9888u) & 0x80008000u;   // [_, s1, _, s3]
+  const uint32_t s2 = form_prmt(w4, 0u, 0xBAAAu) & 0x80008000u;  // [_, s4, _, s6] (bytes 2/3)
+  const uint32_t s3 = form_prmt(w, 0u, 0xBAAAu) & 0x80008000u;   // [_, s5, _, s7]
+  h[0] = fin(x0 | s0);
+  h[1] = fin(x1 | s1);
+  h[2] = fin(x2 | s2);
+  h[3] = fin(x3 | s3);
+}
+
+/// FP8 keys (an FP8 cache, or NVFP4 rows staged to E4M3): one word x of 4 E4M3 bytes (dims
+/// 4s .. 4s + 3 of k-step s) -> the fp16 bits x 2^-8 of its first pair (bytes 0, 2) and second
+/// pair (1, 3): the bits form_expand_e4m3 gives for the same k_hat bytes.
+INDEXCP_HD void form_expand_fp8(uint32_t x, uint32_t* first, uint32_t* second) {
+  *first = (form_prmt(x, x, 0xA280u) << 7) & 0xBF80BF80u;   // [b0, s0 x8, b2, s2 x8]
+  *second = (form_prmt(x, x, 0xB391u) << 7) & 0xBF80BF80u;  // [b1, s1, b3, s3]
+}
+
+}  // namespace indexcp::cuda::detail
