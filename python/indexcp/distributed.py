@@ -8,6 +8,8 @@
 - :class:`TorchCommunicator`: a Communicator (comm.hpp) over a group, for the CPU plans'
   ``run(comm=...)`` and the ops' ``comm_handle``: the exchanges that happen inside a run (the
   sharded prefill paths, which have no split form) go through torch.distributed on CPU tensors.
+- :class:`TorchDeviceCommunicator`: the same for the CUDA plans, over a group whose backend takes
+  CUDA tensors (NCCL), ordered with the run's stream.
 """
 
 import torch
@@ -47,8 +49,8 @@ class TorchCommunicator(_indexcp.HostCommunicator):
     call) and runs ``dist.all_gather_into_tensor`` / ``dist.all_to_all_single``, synchronously, so the
     group's backend must take CPU tensors (gloo; not NCCL). Every rank must run the same plan calls
     in the same order, as for any collective. The CUDA plans take only device communicators
-    (indexcp.cuda.DeviceGroup); with NCCL use the split form (publish / all-gather / merge,
-    :func:`decode`)."""
+    (:class:`TorchDeviceCommunicator` over NCCL, indexcp.cuda.DeviceGroup), or the split form
+    (publish / all-gather / merge, :func:`decode`)."""
 
     def __init__(self, group=None):
         _indexcp.HostCommunicator.__init__(self, dist.get_rank(group), dist.get_world_size(group))
@@ -59,3 +61,40 @@ class TorchCommunicator(_indexcp.HostCommunicator):
 
     def all_to_all(self, send, recv):
         dist.all_to_all_single(torch.from_numpy(recv), torch.from_numpy(send), group=self.group)
+
+
+if hasattr(_indexcp.cuda, "DeviceCommunicator"):
+
+    class TorchDeviceCommunicator(_indexcp.cuda.DeviceCommunicator):
+        """A device Communicator (indexcp.cuda.DeviceCommunicator) whose collectives are
+        torch.distributed's on ``group`` (None: the default group; its backend must take CUDA tensors:
+        NCCL), for the CUDA plans: ``plan.run(..., comm=TorchDeviceCommunicator(), stream=...)`` or
+        ``indexcp.ops.comm_handle(TorchDeviceCommunicator())`` -- the sharded prefill (gather,
+        local_score) and the exchanging decode run of one rank per process. rank and world are the
+        group's at construction. The library calls ``all_gather`` / ``all_to_all`` from inside the
+        run; each wraps the library's device buffers as uint8 CUDA tensors (``torch.from_dlpack``, no
+        copies, valid only during the call) and runs ``dist.all_gather_into_tensor`` /
+        ``dist.all_to_all_single`` with the run's stream as the current stream, so that the
+        collective is ordered with the plan's kernels (NCCL waits on it and makes it wait) and is
+        captured with them into a CUDA graph. Every rank must run the same plan calls in the same
+        order, as for any collective."""
+
+        def __init__(self, group=None):
+            _indexcp.cuda.DeviceCommunicator.__init__(self, dist.get_rank(group), dist.get_world_size(group))
+            self.group = group
+            self._streams = {}
+
+        def _stream(self, stream: int):
+            s = self._streams.get(stream)
+            if s is None:
+                s = torch.cuda.ExternalStream(stream) if stream else torch.cuda.default_stream()
+                self._streams[stream] = s
+            return torch.cuda.stream(s)
+
+        def all_gather(self, send, recv, stream):
+            with self._stream(stream):
+                dist.all_gather_into_tensor(torch.from_dlpack(recv), torch.from_dlpack(send), group=self.group)
+
+        def all_to_all(self, send, recv, stream):
+            with self._stream(stream):
+                dist.all_to_all_single(torch.from_dlpack(recv), torch.from_dlpack(send), group=self.group)

@@ -91,10 +91,12 @@ def comm_handle(comm) -> int:
     """A handle (a negative int; 0 stands for no communicator) for the ``comm`` argument of
     ``decode_run_`` / ``prefill_run_``: ``indexcp.InProcessGroup(world).comm(rank)`` or an
     ``indexcp.HostCommunicator`` (``indexcp.distributed.TorchCommunicator``) for CPU tensors,
-    ``indexcp.cuda.DeviceGroup(world).comm(rank)`` for CUDA tensors (the plan's run refuses the
+    ``indexcp.cuda.DeviceGroup(world).comm(rank)`` or an ``indexcp.cuda.DeviceCommunicator``
+    (``indexcp.distributed.TorchDeviceCommunicator``) for CUDA tensors (the plan's run refuses the
     other kind, naming comm). The handle keeps the communicator (and so its group) alive until
     ``release(handle)``. InvalidArgumentError names comm when it is not a communicator."""
-    kinds = (_indexcp.Communicator,) + ((_indexcp.cuda.DeviceComm,) if hasattr(_indexcp.cuda, "DeviceComm") else ())
+    kinds = (_indexcp.Communicator,) + tuple(getattr(_indexcp.cuda, k) for k in ("DeviceComm", "DeviceCommunicator")
+                                             if hasattr(_indexcp.cuda, k))
     if not isinstance(comm, kinds):
         raise _indexcp.InvalidArgumentError(
             f"comm must be a communicator (InProcessGroup(world).comm(rank) or cuda.DeviceGroup(world).comm(rank)), "

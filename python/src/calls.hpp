@@ -22,28 +22,40 @@ struct DeviceComm {
   Communicator* comm = nullptr;
 };
 
+#if INDEXCP_CUDA_BACKEND
+/// The Communicator of an indexcp.cuda.DeviceCommunicator (a device communicator whose collectives
+/// are Python methods, e.g. indexcp.distributed.TorchDeviceCommunicator; cuda.cpp), or nullptr
+/// when `comm` is not one.
+Communicator* python_device_communicator(nb::handle comm);
+#endif
+
 /// The `comm` argument of a plan's run: None -> nullptr; else the communicator of the plan's
-/// memory (host Communicator for the CPU plans, DeviceComm for the CUDA plans), refused by name
-/// otherwise.
+/// memory (host Communicator for the CPU plans; DeviceComm or a DeviceCommunicator for the CUDA
+/// plans), refused by name otherwise.
 template <bool kCuda>
 Communicator* comm_arg(nb::handle comm) {
   if (comm.is_none()) return nullptr;
   if constexpr (kCuda) {
     if (nb::isinstance<DeviceComm>(comm)) return nb::cast<DeviceComm&>(comm).comm;
+#if INDEXCP_CUDA_BACKEND
+    if (Communicator* c = python_device_communicator(comm)) return c;
+#endif
     if (nb::isinstance<Communicator>(comm))
       invalid("comm: the CUDA plans exchange through a device communicator (indexcp.cuda.DeviceGroup(world)"
-              ".comm(rank)); InProcessGroup's copies host memory. Pass a DeviceGroup comm, or comm=None and "
-              "publish / all-gather / merge (indexcp.distributed.decode)");
+              ".comm(rank), or an indexcp.cuda.DeviceCommunicator such as indexcp.distributed."
+              "TorchDeviceCommunicator); a host communicator copies host memory. Pass a device one, or comm=None "
+              "and publish / all-gather / merge (indexcp.distributed.decode)");
   } else {
     if (nb::isinstance<Communicator>(comm)) return nb::cast<Communicator*>(comm);
 #if INDEXCP_CUDA_BACKEND
-    if (nb::isinstance<DeviceComm>(comm))
-      invalid("comm: a DeviceGroup communicator copies device memory; the CPU plans take a host "
-              "communicator (indexcp.InProcessGroup(world).comm(rank))");
+    if (nb::isinstance<DeviceComm>(comm) || python_device_communicator(comm) != nullptr)
+      invalid("comm: a device communicator (DeviceGroup, DeviceCommunicator) exchanges device memory; the CPU "
+              "plans take a host communicator (indexcp.InProcessGroup(world).comm(rank), HostCommunicator)");
 #endif
   }
   invalid(std::string("comm must be None or a communicator (") +
-          (kCuda ? "indexcp.cuda.DeviceGroup(world).comm(rank)" : "indexcp.InProcessGroup(world).comm(rank)") +
+          (kCuda ? "indexcp.cuda.DeviceGroup(world).comm(rank) or an indexcp.cuda.DeviceCommunicator"
+                 : "indexcp.InProcessGroup(world).comm(rank) or an indexcp.HostCommunicator") +
           "), got " + nb::type_name(comm.type()).c_str());
 }
 

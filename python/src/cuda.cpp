@@ -4,6 +4,9 @@
 #include "indexcp/version.hpp"
 
 #if INDEXCP_CUDA_BACKEND
+#include <cuda_runtime_api.h>
+#include <nanobind/trampoline.h>
+
 #include "indexcp/cuda.hpp"
 #endif
 
@@ -11,6 +14,83 @@ using namespace indexcp;
 using namespace nb::literals;
 
 namespace indexcp::py {
+
+#if INDEXCP_CUDA_BACKEND
+namespace {
+
+/// A Communicator over device memory whose collectives are Python methods: the base of
+/// indexcp.distributed.TorchDeviceCommunicator (an engine's torch.distributed / NCCL group) and of
+/// any other exchange an engine brings. The library calls all_gather / all_to_all from inside a
+/// CUDA plan's run, on the thread that called run, with the GIL released; each call takes the GIL
+/// back, wraps the library's device buffers as DLPack uint8 arrays of their device (no copies, no
+/// owner: valid only during the call) and calls the Python method with the run's stream (an int
+/// cudaStream_t): the method must enqueue its collective in order with that stream (on it, or
+/// waiting on it and making it wait) and must not synchronize it when the run is being captured.
+/// rank / world are fixed at construction; bytes_sent is counted here.
+class DeviceCommunicatorBase : public Communicator {
+ public:
+  DeviceCommunicatorBase(int rank, int world) : rank_(rank), world_(world) {
+    if (world < 1 || world > 64) invalid("world = " + std::to_string(world) + " must lie in 1..64");
+    if (rank < 0 || rank >= world)
+      invalid("rank = " + std::to_string(rank) + " must lie in 0..world - 1 = " + std::to_string(world - 1));
+  }
+  int rank() const override { return rank_; }
+  int world() const override { return world_; }
+  std::size_t bytes_sent() const override { return sent_; }
+  void all_gather(const void* send, void* recv, std::size_t bytes, void* stream) override {
+    collective(&DeviceCommunicatorBase::py_all_gather, send, bytes, recv, bytes * world_, stream);
+    sent_ += bytes;
+  }
+  void all_to_all(const void* send, void* recv, std::size_t bytes, void* stream) override {
+    collective(&DeviceCommunicatorBase::py_all_to_all, send, bytes * world_, recv, bytes * world_, stream);
+    sent_ += bytes * world_;
+  }
+  /// The Python methods (the trampoline's): send uint8 [n] (read it only), recv uint8 [m], stream.
+  virtual void py_all_gather(nb::object send, nb::object recv, uintptr_t stream) = 0;
+  virtual void py_all_to_all(nb::object send, nb::object recv, uintptr_t stream) = 0;
+
+ private:
+  void collective(void (DeviceCommunicatorBase::*f)(nb::object, nb::object, uintptr_t), const void* send,
+                  size_t send_bytes, void* recv, size_t recv_bytes, void* stream) {
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) {
+      (void)cudaGetLastError();
+      throw Error(ErrorCode::kRuntime, "DeviceCommunicator: cudaGetDevice failed");
+    }
+    nb::gil_scoped_acquire gil;
+    using Arr = nb::ndarray<uint8_t, nb::ndim<1>, nb::device::cuda>;
+    nb::object s = nb::cast(Arr(const_cast<void*>(send), {send_bytes}, nb::handle(), {}, nb::dtype<uint8_t>(),
+                                nb::device::cuda::value, dev),
+                            nb::rv_policy::reference);
+    nb::object r = nb::cast(Arr(recv, {recv_bytes}, nb::handle(), {}, nb::dtype<uint8_t>(), nb::device::cuda::value, dev),
+                            nb::rv_policy::reference);
+    (this->*f)(s, r, reinterpret_cast<uintptr_t>(stream));
+  }
+  int rank_, world_;
+  std::size_t sent_ = 0;
+};
+
+struct PyDeviceCommunicator : DeviceCommunicatorBase {
+#if NB_VERSION_MAJOR >= 3
+  NB_TRAMPOLINE(DeviceCommunicatorBase);
+#else
+  NB_TRAMPOLINE(DeviceCommunicatorBase, 2);
+#endif
+  void py_all_gather(nb::object send, nb::object recv, uintptr_t stream) override {
+    NB_OVERRIDE_PURE_NAME("all_gather", py_all_gather, send, recv, stream);
+  }
+  void py_all_to_all(nb::object send, nb::object recv, uintptr_t stream) override {
+    NB_OVERRIDE_PURE_NAME("all_to_all", py_all_to_all, send, recv, stream);
+  }
+};
+
+}  // namespace
+
+Communicator* python_device_communicator(nb::handle comm) {
+  if (!nb::isinstance<DeviceCommunicatorBase>(comm)) return nullptr;
+  return nb::cast<DeviceCommunicatorBase*>(comm);
+}
+#endif
 
 void bind_cuda(nb::module_& m) {
 #if INDEXCP_CUDA_BACKEND
@@ -118,6 +198,35 @@ void bind_cuda(nb::module_& m) {
       .def("depart", &cuda::DeviceGroup::depart, "rank"_a,
            "Rank `rank` makes no further collective calls: a collective another rank waits in raises instead of "
            "waiting forever.");
+  nb::class_<DeviceCommunicatorBase, PyDeviceCommunicator>(
+      m, "DeviceCommunicator",
+      "A Communicator (comm.hpp) over device memory whose collectives are Python methods, for the CUDA plans' "
+      "run(comm=...) and the ops' comm_handle: subclass it, call DeviceCommunicator.__init__(self, rank, world) "
+      "and define all_gather(send, recv, stream) (send uint8 [bytes], recv uint8 [world * bytes]: rank p's send "
+      "lands at recv[p * bytes:]) and all_to_all(send, recv, stream) (both uint8 [world * bytes]: block p of send "
+      "goes to rank p, block p of recv came from rank p). send and recv are DLPack arrays of the library's device "
+      "buffers (torch.from_dlpack, cupy.from_dlpack), without copies and valid only during the call (do not keep "
+      "them; do not write send); stream is the run's cudaStream_t as an int. The collective must be ordered with "
+      "that stream (enqueued on it, or waiting on it and making it wait) and must not synchronize it while the "
+      "run is being captured into a CUDA graph. The library calls the methods from inside run on the calling "
+      "thread (the GIL is taken back for the call); a Python exception in them ends the run with that "
+      "exception. indexcp.distributed.TorchDeviceCommunicator is one over torch.distributed (NCCL). "
+      "InvalidArgumentError names rank / world out of range.")
+      .def(nb::init<int, int>(), "rank"_a, "world"_a)
+      .def_prop_ro("rank", &DeviceCommunicatorBase::rank)
+      .def_prop_ro("world", &DeviceCommunicatorBase::world)
+      .def_prop_ro("bytes_sent", &DeviceCommunicatorBase::bytes_sent)
+      .def("call_all_gather",
+           [](DeviceCommunicatorBase& c, Out send, Out recv, std::optional<uintptr_t> stream) {
+             const int64_t n = check_bytes(send, "send", 0, 1, kDev);
+             check_bytes(recv, "recv", n * c.world(), 1, kDev);
+             void* s = stream_of(stream);
+             nb::gil_scoped_release nogil;
+             c.all_gather(send.data(), recv.data(), static_cast<size_t>(n), s);
+           },
+           "send"_a, "recv"_a, nb::kw_only(), "stream"_a = nb::none(),
+           "Calls the C++ all_gather as a plan does (GIL released, then taken back by the call): for tests of a "
+           "subclass. send uint8 [n], recv uint8 [>= world * n], device memory; stream as for the plans.");
   bind_decode_plan<cuda::DecodePlan, true>(m, kDev, kGpu)
       .def("send_buffer",
            [](const cuda::DecodePlan& p, Out workspace) -> nb::object {

@@ -1,7 +1,7 @@
 """The CUDA backend through the package (marker `gpu`: skipped without the CUDA backend or a GPU;
 with PyTorch for the device tensors). Device results equal the CPU backend's: insert bytes and the
-Q cast bit for bit, selections of the CUDA plan equal the CPU plan's, the ICP split exchange equals
-the replicated CUDA plan bit for bit, a CUDA graph of insert + Q cast + decode replays with new
+Q cast bit for bit, selections of the CUDA plan equal the CPU plan's, the ICP split exchange and the
+run through Python device communicators equal the replicated CUDA plan bit for bit, a CUDA graph of insert + Q cast + decode replays with new
 inputs, and the torch ops run eagerly, compiled and graph-replayed with the same bits."""
 
 import numpy as np
@@ -133,6 +133,59 @@ def test_cuda_plan_equals_the_cpu_plan_and_icp_equals_replicated():
         torch.cuda.synchronize()
         assert int(st.item()) == 0
     assert torch.equal(torch.cat(outs, dim=1), gout)
+    # the same plans' run with the built-in exchange through Python DeviceCommunicators, one thread
+    # and one stream per rank
+    ex = ThreadExchange(W)
+    runs = [None] * W
+
+    def rank(r):
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            p = plans[r]
+            ws = torch.zeros(p.workspace_bytes, dtype=torch.uint8, device="cuda")
+            o = torch.full((rows, p.num_heads, K), -7, dtype=torch.int32, device="cuda")
+            st = torch.full((1,), 5, dtype=torch.int32, device="cuda")
+            p.run(views[r], 1, q8.cuda(), bt.cuda(), seq.cuda(), ws, o, ex.comms[r], st, stream=s.cuda_stream)
+        s.synchronize()
+        assert int(st.item()) == 0
+        runs[r] = o
+
+    run_rank_threads(W, rank, ex, timeout=300)
+    assert torch.equal(torch.cat(runs, dim=1), gout)
+    assert ex.comms[0].calls and ex.comms[0].bytes_sent == sum(n for _, n in ex.comms[0].calls)
+    assert [n for _, n in ex.comms[0].calls] == [n for _, n in ex.comms[1].calls]
+
+
+def test_torch_device_communicator_on_a_one_rank_nccl_group(tmp_path):
+    """TorchDeviceCommunicator over a one-rank NCCL group: the all-gather lands in recv, ordered
+    with the given stream, eagerly and captured in a CUDA graph replayed with new contents (two
+    ranks across processes need two GPUs: the two-GPU runs)."""
+    import torch.distributed as dist
+
+    import indexcp.distributed
+
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1,
+                            device_id=torch.device("cuda", torch.cuda.current_device()))
+    try:
+        comm = indexcp.distributed.TorchDeviceCommunicator()
+        assert (comm.rank, comm.world) == (0, 1)
+        s = torch.cuda.Stream()
+        send = torch.arange(1, 65, dtype=torch.uint8, device="cuda")
+        recv = torch.zeros(64, dtype=torch.uint8, device="cuda")
+        comm.call_all_gather(send, recv, stream=s.cuda_stream)
+        s.synchronize()
+        assert torch.equal(recv, send) and comm.bytes_sent == 64
+        g = torch.cuda.CUDAGraph()
+        recv.zero_()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(g):
+            comm.call_all_gather(send, recv, stream=torch.cuda.current_stream().cuda_stream)
+        send.copy_(torch.arange(101, 165, dtype=torch.uint8, device="cuda"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(recv, send)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_cuda_graph_of_insert_qcast_decode_replays_with_new_inputs():
@@ -248,6 +301,110 @@ def test_cuda_plans_refuse_a_host_communicator():
         p.run(v, 1, q8.cuda(), bt.cuda(), seq.cuda(), ws, out, group.comm(0))
 
 
+class ThreadExchange:
+    """W ranks on threads of one process and one GPU, each on its own stream, exchanging through
+    Python DeviceCommunicator subclasses (what TorchDeviceCommunicator does through NCCL, here with
+    torch copies): every rank's send is read after the event its stream recorded, and a rank's
+    stream waits until every rank's copies of its send are done before it goes on. Each call records
+    the stream it was given and the bytes, for the test's checks."""
+
+    def __init__(self, W):
+        import threading
+
+        self.W, self.barrier = W, threading.Barrier(W)
+        self.sends, self.done = [None] * W, [None] * W
+        self.comms = [self._comm(r) for r in range(W)]
+
+    def abort(self):
+        self.barrier.abort()
+
+    def _comm(self, r):
+        ex = self
+
+        class Comm(indexcp.cuda.DeviceCommunicator):
+            def __init__(self):
+                indexcp.cuda.DeviceCommunicator.__init__(self, r, ex.W)
+                self.calls = []
+
+            def all_gather(self, send, recv, stream):
+                s = torch.cuda.ExternalStream(stream)
+                send_t, recv_t = torch.from_dlpack(send), torch.from_dlpack(recv)
+                assert send_t.is_cuda and recv_t.numel() == ex.W * send_t.numel()
+                self.calls.append((stream, send_t.numel()))
+                ready = torch.cuda.Event()
+                ready.record(s)
+                ex.sends[r] = (send_t, ready)
+                ex.barrier.wait()
+                n = send_t.numel()
+                with torch.cuda.stream(s):
+                    for p, (src, ev) in enumerate(ex.sends):
+                        s.wait_event(ev)
+                        recv_t[p * n:(p + 1) * n].copy_(src)
+                done = torch.cuda.Event()
+                done.record(s)
+                ex.done[r] = done
+                ex.barrier.wait()
+                for ev in ex.done:
+                    s.wait_event(ev)
+                ex.barrier.wait()
+
+            def all_to_all(self, send, recv, stream):
+                raise NotImplementedError("not used by these plans")
+
+        return Comm()
+
+
+def test_device_communicator_is_checked_and_refused_by_the_cpu_plans():
+    with pytest.raises(indexcp.InvalidArgumentError, match="rank"):
+        indexcp.cuda.DeviceCommunicator(2, 2)
+    with pytest.raises(indexcp.InvalidArgumentError, match="world"):
+        indexcp.cuda.DeviceCommunicator(0, 0)
+    ex = ThreadExchange(1)
+    c = ex.comms[0]
+    assert (c.rank, c.world, c.bytes_sent) == (0, 1, 0)
+    send = torch.arange(1, 41, dtype=torch.uint8, device="cuda")
+    recv = torch.zeros(40, dtype=torch.uint8, device="cuda")
+    s = torch.cuda.Stream()
+    c.call_all_gather(send, recv, stream=s.cuda_stream)
+    s.synchronize()
+    assert torch.equal(recv, send) and c.bytes_sent == 40 and c.calls == [(s.cuda_stream, 40)]
+    with pytest.raises(indexcp.InvalidArgumentError, match="recv"):
+        c.call_all_gather(send, recv[:10])
+    rc = indexcp.resolve_config(
+        indexcp.AttentionConfig.from_json('{"indexer_kv_dtype": "nvfp4", "indexer_cache_sharding": "on"}'),
+        indexcp.EngineParams(tp=2, heads=H, query_len=Q))
+    _, _, _, bt, seq = batch()
+    p = indexcp.DecodePlan(rc, 1, limits(bt))
+    t, v = caches(W=2, rank=1, device="cpu")
+    q8 = torch.zeros(bt.shape[0] * Q, H, 128, dtype=torch.uint8)
+    out = torch.zeros(bt.shape[0] * Q, p.num_heads, K, dtype=torch.int32)
+    ws = torch.zeros(max(p.workspace_bytes, 16), dtype=torch.uint8)
+    with pytest.raises(indexcp.InvalidArgumentError, match="comm: a device communicator"):
+        p.run(v, 1, q8, bt, seq, ws, out, ThreadExchange(2).comms[1])
+
+
+def test_device_communicator_exception_ends_the_run():
+    """A Python exception in the collective ends the CUDA plan's run with that exception."""
+
+    class Broken(indexcp.cuda.DeviceCommunicator):
+        def all_gather(self, send, recv, stream):
+            raise RuntimeError("exchange broke")
+
+        def all_to_all(self, send, recv, stream):
+            raise RuntimeError("exchange broke")
+
+    keys, slots, q32, bt, seq = batch()
+    q8 = torch.zeros(q32.shape, dtype=torch.uint8)
+    indexcp.quantize_queries(q32, q8)
+    t, v = caches(W=2, rank=0)
+    p = indexcp.cuda.DecodePlan(resolved(2, True), 0, limits(bt))
+    ws = torch.zeros(p.workspace_bytes, dtype=torch.uint8, device="cuda")
+    out = torch.zeros(bt.shape[0] * Q, p.num_heads, K, dtype=torch.int32, device="cuda")
+    with pytest.raises(RuntimeError, match="exchange broke"):
+        p.run(v, 1, q8.cuda(), bt.cuda(), seq.cuda(), ws, out, Broken(0, 2))
+    torch.cuda.synchronize()
+
+
 @pytest.mark.parametrize("prefill_cp", ["gather", "local_score"])
 def test_cuda_sharded_prefill_through_a_device_group_equals_the_cpu_replicated(prefill_cp):
     """Item 1 of issue 24 on the GPU: two ranks on two threads, each with its own stream, its cache
@@ -284,23 +441,26 @@ def test_cuda_sharded_prefill_through_a_device_group_equals_the_cpu_replicated(p
         assert isinstance(plan, indexcp.cuda.PrefillPlan) and plan.path == getattr(indexcp.PrefillPath, prefill_cp)
         shards.append((t, v, plan, indexcp.ops.cache_handle(v), ph))
     torch.cuda.synchronize()
-    for use_op in (False, True):
-        group = indexcp.cuda.DeviceGroup(W)
+    # the communicators: a DeviceGroup's, and Python DeviceCommunicators (ThreadExchange)
+    for kind, use_op in (("group", False), ("group", True), ("python", False), ("python", True)):
+        group = indexcp.cuda.DeviceGroup(W) if kind == "group" else ThreadExchange(W)
         got = torch.full((rows, H, K), -7, dtype=torch.int32)
+        streams = [torch.cuda.Stream() for _ in range(W)]
 
         def rank(r):
             t, v, plan, h, ph = shards[r]
-            s = torch.cuda.Stream()
+            s = streams[r]
+            comm = group.comm(r) if kind == "group" else group.comms[r]
             with torch.cuda.stream(s):
                 ws = torch.zeros(plan.workspace_bytes, dtype=torch.uint8, device="cuda")
                 out = torch.full((rows, plan.num_heads, K), -7, dtype=torch.int32, device="cuda")
                 st = torch.full((1,), 5, dtype=torch.int32, device="cuda")
                 if use_op:
-                    ch = indexcp.ops.comm_handle(group.comm(r))
+                    ch = indexcp.ops.comm_handle(comm)
                     torch.ops.indexcp.prefill_run_(ph, h, t, 1, dq8, dbt, dseq, dqs, ext.rows,
                                                    ext.max_rows_per_request, ext.gather_units, ws, out, st, ch)
                 else:
-                    plan.run(v, 1, dq8, dbt, dseq, dqs, ext, ws, out, group.comm(r), st, stream=s.cuda_stream)
+                    plan.run(v, 1, dq8, dbt, dseq, dqs, ext, ws, out, comm, st, stream=s.cuda_stream)
             s.synchronize()
             assert int(st.item()) == 0
             got[:, plan.head_begin:plan.head_begin + plan.num_heads] = out.cpu()
@@ -308,7 +468,14 @@ def test_cuda_sharded_prefill_through_a_device_group_equals_the_cpu_replicated(p
                 indexcp.ops.release(ch)
 
         run_rank_threads(W, rank, group, timeout=300)
-        np.testing.assert_array_equal(got.numpy(), rep, err_msg=f"use_op={use_op}")
+        np.testing.assert_array_equal(got.numpy(), rep, err_msg=f"{kind} use_op={use_op}")
+        if kind == "python":  # every collective ran on the rank's own stream, with equal sizes
+            calls = [c.calls for c in group.comms]
+            assert calls[0] and all(len(c) == len(calls[0]) for c in calls)
+            for r in range(W):
+                assert {st for st, _ in calls[r]} == {streams[r].cuda_stream}
+                assert [n for _, n in calls[r]] == [n for _, n in calls[0]]
+            assert group.comms[0].bytes_sent == sum(n for _, n in calls[0])
     for _, _, _, h, ph in shards:
         indexcp.ops.release(h)
         indexcp.ops.release(ph)
