@@ -43,12 +43,11 @@ TEST(ScoreForm, KSlotsCoverEveryDimensionOnce) {
           EXPECT_TRUE(dims.insert(d).second) << "dim " << d << " twice";
         }
   EXPECT_EQ(dims.size(), 128u);
-  // word j of a thread holds dims 8j .. 8j + 7: pair p = 2e + pair of it dims (8j + 4e + pair,
-  // 8j + 4e + pair + 2)
+  // word j of a thread holds dims 8j .. 8j + 7: pair p of it dims (8j + 2p, 8j + 2p + 1)
   for (int j = 0; j < 4; ++j)
     for (int p = 0; p < 4; ++p) {
-      EXPECT_EQ(dim_of(0, j, p, 0), 8 * j + 4 * (p >> 1) + (p & 1));
-      EXPECT_EQ(dim_of(0, j, p, 1), 8 * j + 4 * (p >> 1) + (p & 1) + 2);
+      EXPECT_EQ(dim_of(0, j, p, 0), 8 * j + 2 * p);
+      EXPECT_EQ(dim_of(0, j, p, 1), 8 * j + 2 * p + 1);
     }
 }
 
@@ -88,7 +87,7 @@ TEST(ScoreForm, Nvfp4E4m3ExpansionPutsEachDimensionWhereFormDimSays) {
       for (int jj = 0; jj < 2; ++jj) {
         const int d = dim_of(0, 0, p, jj);  // dim within the word = code index
         const uint8_t code = static_cast<uint8_t>((w >> (4 * d)) & 0xFu);
-        const float want = nvfp4_khat(code, sc, KRounding::kE4m3) * 0x1p-8f;
+        const float want = nvfp4_khat(code, sc, KRounding::kE4m3);
         const float got = half_value(half_of(h[p], jj));
         ASSERT_EQ(got, want) << "w " << std::hex << w << " scale " << +sc << " pair " << p << " half " << jj;
         ASSERT_EQ(std::signbit(got), (code & 8u) != 0) << "sign of code " << +code << " (-0 included)";
@@ -125,7 +124,7 @@ TEST(ScoreForm, Fp8ExpansionPutsEachDimensionWhereFormDimSays) {
         const int d = form_dim(0, 0, pair, jj);
         const uint8_t byte = static_cast<uint8_t>((x >> (8 * d)) & 0xFFu);
         if ((byte & 0x7Fu) == 0x7Fu) continue;  // E4M3 NaN: never stored
-        ASSERT_EQ(half_value(half_of(h[pair], jj)), e4m3_decode(byte) * 0x1p-8f)
+        ASSERT_EQ(half_value(half_of(h[pair], jj)), e4m3_decode(byte))
             << std::hex << "x " << x << " pair " << pair << " half " << jj;
         ASSERT_EQ(std::signbit(half_value(half_of(h[pair], jj))), (byte & 0x80u) != 0);
       }

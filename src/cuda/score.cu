@@ -55,7 +55,7 @@ __global__ void __launch_bounds__(warps_of<MODE>() * 32, minb_of<MODE>()) score_
   extern __shared__ __align__(128) unsigned char smem[];
   constexpr int HALF = half_bytes<MODE>();
   constexpr int ROWB = MODE == kModeFp8 ? kHeadDim : kNvfp4DataBytesPerKey;
-  constexpr float kScale = MODE == kModeExact ? 1.0f : 256.0f;
+  constexpr float kScale = 1.0f;  // the fp16 operands hold the key values themselves
   __shared__ int32_t scol[NT * 8];  // output columns of the CTA's query vectors (per request, the
                                     // same for every warp): row * 64 + head, or -1
   uint8_t* stages = smem;
@@ -278,8 +278,8 @@ __global__ void __launch_bounds__(warps_of<MODE>() * 32, minb_of<MODE>()) score_
       const int ln = (e / NW) & 31, nt = (e / (NW * 32)) % NG * NW + e % NW, s = e / (NW * 32 * NG);
       const uint32_t w = qraw[it];  // 0 (= +0.0 in E4M3) for vectors past nvec
       uint2 v;
-      v.x = q_pair_bytes(w & 0xffu, (w >> 16) & 0xffu);         // first pair: dims d, d + 2
-      v.y = q_pair_bytes((w >> 8) & 0xffu, (w >> 24) & 0xffu);  // second pair: dims d + 1, d + 3
+      v.x = q_pair_bytes(w & 0xffu, (w >> 8) & 0xffu);          // first pair: dims d, d + 1
+      v.y = q_pair_bytes((w >> 16) & 0xffu, (w >> 24) & 0xffu);  // second pair: dims d + 2, d + 3
       if constexpr (WG) {
         uint32_t* qw = reinterpret_cast<uint32_t*>(qf);
         qw[wg_b_index<NT>(s, nt * 8 + (ln >> 2), 0, ln & 3)] = v.x;

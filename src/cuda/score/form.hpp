@@ -30,7 +30,7 @@ namespace indexcp::cuda::detail {
 
 /// Dimension (0..127) of the key and of the query at k-step s (0..7), quad lane t4 (0..3), pair
 /// (0: first, k = 2 t4 + jj; 1: second, k = 2 t4 + 8 + jj) and half jj (0, 1) of the fp16 pair.
-INDEXCP_HD constexpr int form_dim(int s, int t4, int pair, int jj) { return 32 * t4 + 4 * s + pair + 2 * jj; }
+INDEXCP_HD constexpr int form_dim(int s, int t4, int pair, int jj) { return 32 * t4 + 4 * s + 2 * pair + jj; }
 
 /// PTX prmt.b32 in its default mode: byte i of the result is byte (sel >> 4i) & 7 of the 8 bytes
 /// {a, b} (a = bytes 0..3); with bit 3 of that nibble set, the byte's sign bit replicated (0x00 or
@@ -61,6 +61,37 @@ INDEXCP_HD uint32_t form_mulhi(uint32_t a, uint32_t b) {
 #endif
 }
 
+/// fp16 bits of an E4M3 value (every finite E4M3 value is an fp16 normal or zero: exact); NaN
+/// bytes give an fp16 NaN.
+INDEXCP_HD uint32_t form_e4m3_to_f16_bits(uint8_t b) {
+  const float v = e4m3_decode(b);
+  const uint32_t u = fmt::f32_bits(v);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fffu;
+  if ((u & 0x7fffffffu) == 0u) return (u >> 16) & 0x8000u;
+  const int e = static_cast<int>((u >> 23) & 0xffu) - 127;
+  return ((u >> 16) & 0x8000u) | static_cast<uint32_t>(e + 15) << 10 | ((u >> 13) & 0x3ffu);
+}
+/// cvt.rn.f16x2.e4m3x2 of bytes 0, 1 (lo) or 2, 3 (hi) of x: the fp16 pair (low half: the lower
+/// byte). One F2FP instruction on the device (the integer pipe).
+INDEXCP_HD uint32_t form_cvt_lo(uint32_t x) {
+#if defined(__CUDA_ARCH__)
+  uint32_t r;
+  asm("{.reg .b16 l, h;\nmov.b32 {l, h}, %1;\ncvt.rn.f16x2.e4m3x2 %0, l;}" : "=r"(r) : "r"(x));
+  return r;
+#else
+  return form_e4m3_to_f16_bits(static_cast<uint8_t>(x)) | form_e4m3_to_f16_bits(static_cast<uint8_t>(x >> 8)) << 16;
+#endif
+}
+INDEXCP_HD uint32_t form_cvt_hi(uint32_t x) {
+#if defined(__CUDA_ARCH__)
+  uint32_t r;
+  asm("{.reg .b16 l, h;\nmov.b32 {l, h}, %1;\ncvt.rn.f16x2.e4m3x2 %0, h;}" : "=r"(r) : "r"(x));
+  return r;
+#else
+  return form_cvt_lo(x >> 16);
+#endif
+}
+
 /// The k_hat table entry of one scale byte (NVFP4, E4M3 rounding; spec/formats.md section 5):
 /// byte c of {lo, hi} = e4m3_encode(e2m1(c) * e4m3(scale & 0x7f)) for the 8 magnitudes c; the
 /// scale's sign is applied to the codes (a negative scale flips every code's sign).
@@ -75,19 +106,22 @@ INDEXCP_HD void form_khat_entry(uint8_t scale, uint32_t* lo, uint32_t* hi) {
 
 // The NVFP4 expansions: word w of 8 codes (code c = bits 4c .. 4c + 3, its sign at bit 4c + 3) ->
 // h[p], p = 2e + pair: the fp16 pair `pair` of k-step 2j + e (j = the word), i.e. codes
-// (4e + pair, 4e + pair + 2).
+// (4e + 2 pair, 4e + 2 pair + 1).
 
-/// NVFP4 with E4M3 rounding: the fp16 bits of k_hat x 2^-8 (exact, subnormals included: sign << 15
-/// | E4M3 magnitude << 7) from the scale's table entry.
+/// NVFP4 with E4M3 rounding: the fp16 bits of k_hat: the E4M3 bytes of the 8 codes in code order
+/// (magnitude from the scale's table entry, sign from the code), two at a time through the
+/// conversion instruction.
 INDEXCP_HD void form_expand_e4m3(uint32_t w, uint32_t lut_lo, uint32_t lut_hi, uint32_t (&h)[4]) {
   const uint32_t m = w & 0x77777777u;
   const uint32_t plo = form_prmt(lut_lo, lut_hi, m);                         // [M0 M1 M2 M3]
   const uint32_t phi = form_prmt(lut_lo, lut_hi, form_mulhi(m, 1u << 16));  // [M4 M5 M6 M7]
   const uint32_t w4 = w << 4;
-  h[0] = (form_prmt(plo, w4, 0xD2C0u) << 7) & 0xFF80FF80u;  // [M0, s0 x8, M2, s2 x8]
-  h[1] = (form_prmt(plo, w, 0xD3C1u) << 7) & 0xFF80FF80u;   // [M1, s1, M3, s3]
-  h[2] = (form_prmt(phi, w4, 0xF2E0u) << 7) & 0xFF80FF80u;  // [M4, s4, M6, s6]
-  h[3] = (form_prmt(phi, w, 0xF3E1u) << 7) & 0xFF80FF80u;   // [M5, s5, M7, s7]
+  const uint32_t lo = plo | (form_prmt(w4, w, 0xD9C8u) & 0x80808080u);  // signs of codes 0..3 replicated
+  const uint32_t hi = phi | (form_prmt(w4, w, 0xFBEAu) & 0x80808080u);  // codes 4..7
+  h[0] = form_cvt_lo(lo);  // (c0, c1)
+  h[1] = form_cvt_hi(lo);  // (c2, c3)
+  h[2] = form_cvt_lo(hi);  // (c4, c5)
+  h[3] = form_cvt_hi(hi);  // (c6, c7)
 }
 
 /// NVFP4, exact rounding (the SM107 semantics): h[p] = fin(the fp16 bits of +-|e2m1|); the device's
@@ -99,12 +133,12 @@ INDEXCP_HD void form_expand_e2m1(uint32_t w, uint32_t (&h)[4], Fin&& fin) {
   const uint32_t plo = form_prmt(E0, E1, m), phi = form_prmt(E0, E1, m >> 16);
   const uint32_t w4 = w << 4;
   // magnitudes into the high byte of each half (low byte: sign replicate of a byte < 0x80 = 0)
-  const uint32_t x0 = form_prmt(plo, 0u, 0x2808u), x1 = form_prmt(plo, 0u, 0x3818u);
-  const uint32_t x2 = form_prmt(phi, 0u, 0x2808u), x3 = form_prmt(phi, 0u, 0x3818u);
-  const uint32_t s0 = form_prmt(w4, 0u, 0x9888u) & 0x80008000u;  // [_, s0, _, s2] (bytes 0/1 of w4)
-  const uint32_t s1 = form_prmt(w, 0u, 0x9888u) & 0x80008000u;   // [_, s1, _, s3]
-  const uint32_t s2 = form_prmt(w4, 0u, 0xBAAAu) & 0x80008000u;  // [_, s4, _, s6] (bytes 2/3)
-  const uint32_t s3 = form_prmt(w, 0u, 0xBAAAu) & 0x80008000u;   // [_, s5, _, s7]
+  const uint32_t x0 = form_prmt(plo, 0u, 0x1808u), x1 = form_prmt(plo, 0u, 0x3828u);  // [_, E0, _, E1], [_, E2, _, E3]
+  const uint32_t x2 = form_prmt(phi, 0u, 0x1808u), x3 = form_prmt(phi, 0u, 0x3828u);
+  const uint32_t s0 = form_prmt(w4, w, 0xC888u) & 0x80008000u;  // [_, s0, _, s1]
+  const uint32_t s1 = form_prmt(w4, w, 0xD898u) & 0x80008000u;  // [_, s2, _, s3]
+  const uint32_t s2 = form_prmt(w4, w, 0xE8A8u) & 0x80008000u;  // [_, s4, _, s5]
+  const uint32_t s3 = form_prmt(w4, w, 0xF8B8u) & 0x80008000u;  // [_, s6, _, s7]
   h[0] = fin(x0 | s0);
   h[1] = fin(x1 | s1);
   h[2] = fin(x2 | s2);
@@ -112,11 +146,11 @@ INDEXCP_HD void form_expand_e2m1(uint32_t w, uint32_t (&h)[4], Fin&& fin) {
 }
 
 /// FP8 keys (an FP8 cache, or NVFP4 rows staged to E4M3): one word x of 4 E4M3 bytes (dims
-/// 4s .. 4s + 3 of k-step s) -> the fp16 bits x 2^-8 of its first pair (bytes 0, 2) and second
-/// pair (1, 3): the bits form_expand_e4m3 gives for the same k_hat bytes.
+/// 4s .. 4s + 3 of k-step s) -> the fp16 bits of its first pair (bytes 0, 1) and second pair
+/// (2, 3): the bits form_expand_e4m3 gives for the same k_hat bytes.
 INDEXCP_HD void form_expand_fp8(uint32_t x, uint32_t* first, uint32_t* second) {
-  *first = (form_prmt(x, x, 0xA280u) << 7) & 0xBF80BF80u;   // [b0, s0 x8, b2, s2 x8]
-  *second = (form_prmt(x, x, 0xB391u) << 7) & 0xBF80BF80u;  // [b1, s1, b3, s3]
+  *first = form_cvt_lo(x);
+  *second = form_cvt_hi(x);
 }
 
 }  // namespace indexcp::cuda::detail
