@@ -19,10 +19,9 @@
 // each 16-product step alike (tests/gpu/test_gpu_decode.cpp, All/GpuHeadWidth.*, compares every
 // score of a head scored alone (mma.sync), in a pair and with all four heads (wgmma) bit for bit).
 //   - NVFP4, E4M3 rounding: k_hat = e4m3(|e2m1| * |scale|) from a 256 x 8 byte table (one entry
-//     per scale byte, built on the host with formats.hpp), looked up with prmt; the E4M3 byte is
-//     turned into fp16 bits by a shift (value * 2^-8, subnormals included); the score is
-//     multiplied by 2^8 at the end (exact).
-//   - FP8 keys (cache or staged): the same fp16 bits from the stored byte.
+//     per scale byte, built on the host with formats.hpp), looked up with prmt; the signed E4M3
+//     bytes become fp16 pairs through cvt.rn.f16x2.e4m3x2 (exact).
+//   - FP8 keys (cache or staged): the same conversion of the stored bytes.
 //   - NVFP4, exact rounding: fp16 of |e2m1| by prmt, sign, times the scale (hmul2, exact).
 #include <cuda_fp16.h>
 

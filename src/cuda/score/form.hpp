@@ -8,17 +8,18 @@
 // thread of quad lane t4 holds two fp16 pairs of each of its rows, the "first" pair at k = 2 t4,
 // 2 t4 + 1 (A regs a0a1, B reg b0) and the "second" at k = 2 t4 + 8, + 9 (a4a5, b1). A thread owns
 // 32 consecutive dimensions of its rows (32 t4 .. 32 t4 + 31): k-step s takes dims 32 t4 + 4s ..
-// 32 t4 + 4s + 3, the first pair (d, d + 2) and the second (d + 1, d + 3). One 32-bit word of 8
+// 32 t4 + 4s + 3, the first pair (d, d + 1) and the second (d + 2, d + 3). One 32-bit word of 8
 // NVFP4 codes (word j: dims 8j .. 8j + 7 of the thread's 32), or two words of 4 FP8 bytes, feeds
 // k-steps 2j and 2j + 1. form_dim is the map; the query fragments are built from it and the key
-// expansions below produce it.
+// expansions below produce it. The fp16 operands hold the values themselves (E4M3 is a subset of
+// fp16), so the scores need no rescaling.
 //
-// Why (d, d + 2): one table prmt gives the E4M3 magnitudes of 4 codes as bytes; a second prmt
-// places two of them in the two fp16 halves of a pair together with their signs, because the
-// signs of codes c and c + 2 are the top bits of bytes of w (odd c) or of w << 4 (even c), which
-// prmt's sign mode replicates; then one shift by 7 and one mask. That is 3 instructions per pair
-// plus 5 per word (17 per 8 codes; ptxas issues the shifts as IMAD.SHL on the FMA pipe). Pairs of
-// other dims cost more (bench/NOTES.md, v13: (d, d + 4), whose signs sit 16 bits apart, needs 19).
+// Why (d, d + 1): cvt.rn.f16x2.e4m3x2 (one F2FP instruction) turns two adjacent E4M3 bytes into
+// an fp16 pair. NVFP4: a mask, 2 table prmt (the E4M3 magnitudes of 4 codes each), 2 prmt that
+// replicate the codes' signs (the top bits of the bytes of w and w << 4), 2 merges and 4
+// conversions: 11 integer-pipe and 2 FMA-pipe instructions per 8 codes (the pairs (d, d + 2) of
+// the form before took 11 and 6: a prmt, a shift and a mask per pair); FP8 keys: 2 conversions per
+// 4 bytes (before: 4 integer-pipe and 2 FMA-pipe). bench/NOTES.md, v14, has the measurements.
 
 #pragma once
 

@@ -22,7 +22,7 @@ namespace {
 // word j of a thread's row (dims 8j .. 8j + 7 of its 32) feeds k-steps 2j (pairs h[0], h[1]) and
 // 2j + 1 (h[2], h[3]); each pair holds dims (d, d + 1).
 
-// NVFP4, E4M3 rounding: fp16 bits of k_hat x 2^-8 from the scale's table entry.
+// NVFP4, E4M3 rounding: fp16 bits of k_hat from the scale's table entry.
 __device__ __forceinline__ void expand_e4m3(uint32_t w, uint2 lut, uint32_t (&h)[4]) {
   form_expand_e4m3(w, lut.x, lut.y, h);
 }
