@@ -1,8 +1,9 @@
 // The CUDA backend's dot-product form (src/cuda/score/form.hpp) on the CPU: the k-slot -> dimension
-// map is a bijection per quad, and every key expansion (NVFP4 with E4M3 and exact rounding, FP8)
-// puts in each fp16 half exactly the value formats.hpp gives for the dimension form_dim names.
-// The device runs the same functions (prmt and mulhi as instructions); the GPU suite then checks
-// whole scores against the CPU reference.
+// map is a bijection per quad, and the key expansions (NVFP4 with E4M3 rounding, FP8, and the
+// signed |e2m1| of exact rounding before the device's multiplication by the scale) put in each
+// fp16 half the value formats.hpp gives for the dimension form_dim names. The device runs the same
+// functions (prmt, mulhi and the E4M3 -> fp16 conversion as instructions); the GPU suite then
+// checks whole scores against the CPU reference.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -60,8 +61,9 @@ TEST(ScoreForm, PrmtMatchesThePtxDefinition) {
   EXPECT_EQ(form_mulhi(0xDEADBEEFu, 1u << 16), 0xDEADu);
 }
 
-// the k_hat table of one scale byte is the CPU reference's k_hat of each magnitude
-TEST(ScoreForm, KhatEntryIsTheReferenceRounding) {
+// the k_hat table of one scale byte holds the CPU reference's k_hat of each magnitude (both sides
+// round with formats.hpp: what this checks is the packing, one byte per magnitude, sign clear)
+TEST(ScoreForm, KhatEntryPacksTheReferenceRoundingOfEachMagnitude) {
   for (int sc = 0; sc < 256; ++sc) {
     uint32_t lo = 0, hi = 0;
     form_khat_entry(static_cast<uint8_t>(sc), &lo, &hi);
@@ -91,6 +93,27 @@ TEST(ScoreForm, Nvfp4E4m3ExpansionPutsEachDimensionWhereFormDimSays) {
         const float got = half_value(half_of(h[p], jj));
         ASSERT_EQ(got, want) << "w " << std::hex << w << " scale " << +sc << " pair " << p << " half " << jj;
         ASSERT_EQ(std::signbit(got), (code & 8u) != 0) << "sign of code " << +code << " (-0 included)";
+      }
+  }
+}
+
+// A negative scale byte (never written by the quantizer): the scorer looks the table up without
+// the scale's sign and flips every code's sign instead (w ^ 0x88888888, tiles.cuh), which gives
+// the reference's k_hat of the negative scale.
+TEST(ScoreForm, NegativeScalesByFlippingTheCodeSigns) {
+  std::mt19937 rng(17);
+  for (int it = 0; it < 20000; ++it) {
+    const uint32_t w = rng();
+    const uint8_t sc = static_cast<uint8_t>(0x80u | (rng() % 0x7f));
+    uint32_t lo = 0, hi = 0, h[4];
+    form_khat_entry(sc, &lo, &hi);
+    form_expand_e4m3(w ^ 0x88888888u, lo, hi, h);
+    for (int p = 0; p < 4; ++p)
+      for (int jj = 0; jj < 2; ++jj) {
+        const int d = dim_of(0, 0, p, jj);
+        const uint8_t code = static_cast<uint8_t>((w >> (4 * d)) & 0xFu);
+        ASSERT_EQ(half_value(half_of(h[p], jj)), nvfp4_khat(code, sc, KRounding::kE4m3))
+            << std::hex << "w " << w << " scale " << +sc << " pair " << p << " half " << jj;
       }
   }
 }

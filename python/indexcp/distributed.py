@@ -67,28 +67,40 @@ if hasattr(_indexcp.cuda, "DeviceCommunicator"):
 
     class TorchDeviceCommunicator(_indexcp.cuda.DeviceCommunicator):
         """A device Communicator (indexcp.cuda.DeviceCommunicator) whose collectives are
-        torch.distributed's on ``group`` (None: the default group; its backend must take CUDA tensors:
-        NCCL), for the CUDA plans: ``plan.run(..., comm=TorchDeviceCommunicator(), stream=...)`` or
+        torch.distributed's on ``group`` (None: the default group), whose backend must be NCCL
+        (InvalidArgumentError otherwise: a backend that runs CUDA collectives synchronously would
+        break the ordering with the run's stream), for the CUDA plans:
+        ``plan.run(..., comm=TorchDeviceCommunicator(), stream=...)`` or
         ``indexcp.ops.comm_handle(TorchDeviceCommunicator())`` -- the sharded prefill (gather,
         local_score) and the exchanging decode run of one rank per process. rank and world are the
         group's at construction. The library calls ``all_gather`` / ``all_to_all`` from inside the
         run; each wraps the library's device buffers as uint8 CUDA tensors (``torch.from_dlpack``, no
         copies, valid only during the call) and runs ``dist.all_gather_into_tensor`` /
-        ``dist.all_to_all_single`` with the run's stream as the current stream, so that the
-        collective is ordered with the plan's kernels (NCCL waits on it and makes it wait) and is
-        captured with them into a CUDA graph. Every rank must run the same plan calls in the same
+        ``dist.all_to_all_single`` with the run's stream as the current stream, so that NCCL orders
+        the collective with the plan's kernels. Capturing such a run in a CUDA graph needs what NCCL
+        capture needs (the communicator created before the capture, ``TORCH_NCCL_BLOCKING_WAIT``
+        off, every rank capturing and replaying the same graph); only a one-rank group's all-gather
+        is tested captured (docs/python.md). Every rank must run the same plan calls in the same
         order, as for any collective."""
 
         def __init__(self, group=None):
+            backend = str(dist.get_backend(group))
+            if "nccl" not in backend:
+                raise _indexcp.InvalidArgumentError(
+                    f"group: TorchDeviceCommunicator needs a process group with the NCCL backend, got '{backend}' "
+                    "(for CPU tensors and gloo use TorchCommunicator)")
             _indexcp.cuda.DeviceCommunicator.__init__(self, dist.get_rank(group), dist.get_world_size(group))
-            self.group = group
-            self._streams = {}
+            self.group = group if group is not None else dist.group.WORLD
+            self._streams = {}  # (device, cudaStream_t) -> torch stream object
 
         def _stream(self, stream: int):
-            s = self._streams.get(stream)
+            key = (torch.cuda.current_device(), stream)
+            s = self._streams.get(key)
             if s is None:
+                if len(self._streams) >= 64:  # an engine that makes streams per step
+                    self._streams.clear()
                 s = torch.cuda.ExternalStream(stream) if stream else torch.cuda.default_stream()
-                self._streams[stream] = s
+                self._streams[key] = s
             return torch.cuda.stream(s)
 
         def all_gather(self, send, recv, stream):

@@ -99,7 +99,8 @@ def comm_handle(comm) -> int:
                                              if hasattr(_indexcp.cuda, k))
     if not isinstance(comm, kinds):
         raise _indexcp.InvalidArgumentError(
-            f"comm must be a communicator (InProcessGroup(world).comm(rank) or cuda.DeviceGroup(world).comm(rank)), "
+            f"comm must be a communicator (InProcessGroup(world).comm(rank), a HostCommunicator, "
+            f"cuda.DeviceGroup(world).comm(rank) or a cuda.DeviceCommunicator), "
             f"got {type(comm).__name__}")
     with _lock:
         h = -1

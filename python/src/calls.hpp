@@ -43,8 +43,8 @@ Communicator* comm_arg(nb::handle comm) {
     if (nb::isinstance<Communicator>(comm))
       invalid("comm: the CUDA plans exchange through a device communicator (indexcp.cuda.DeviceGroup(world)"
               ".comm(rank), or an indexcp.cuda.DeviceCommunicator such as indexcp.distributed."
-              "TorchDeviceCommunicator); a host communicator copies host memory. Pass a device one, or comm=None "
-              "and publish / all-gather / merge (indexcp.distributed.decode)");
+              "TorchDeviceCommunicator); a host communicator copies host memory. Pass a device one (for a "
+              "decode plan also: comm=None and publish / all-gather / merge, indexcp.distributed.decode)");
   } else {
     if (nb::isinstance<Communicator>(comm)) return nb::cast<Communicator*>(comm);
 #if INDEXCP_CUDA_BACKEND
@@ -267,9 +267,12 @@ nb::class_<Plan> bind_decode_plan(nb::module_& m, Where w, const char* backend) 
            "comm"_a.none() = nb::none(), "status"_a = nb::none(), nb::kw_only(), "stream"_a = nb::none(),
            "The whole step: q uint8 E4M3 [num_requests * Q, H, 128], block_table int32 [num_requests, "
            "limits.max_pages], seq_lens int32 [num_requests] (0 = padding) -> out int32 [num_requests * Q, "
-           "num_heads, K] (ascending ids, -1 padding). The exchanging paths need comm (a communicator of "
-           "world ranks: InProcessGroup's for the CPU plans, indexcp.cuda.DeviceGroup's for the CUDA plans, "
-           "each rank on its own thread), or use publish + merge with the engine's own all-gather. status: uint32 [1] "
+           "num_heads, K] (ascending ids, -1 padding). The exchanging paths need comm, a communicator of world "
+           "ranks: for the CPU plans a host one (InProcessGroup(world).comm(rank), ranks on threads; a "
+           "HostCommunicator such as indexcp.distributed.TorchCommunicator, one rank per process), for the CUDA "
+           "plans a device one (indexcp.cuda.DeviceGroup(world).comm(rank), ranks on threads with their own "
+           "streams; an indexcp.cuda.DeviceCommunicator such as indexcp.distributed.TorchDeviceCommunicator, one "
+           "rank per process); or use publish + merge with the engine's own all-gather. status: uint32 [1] "
            "(StepStatus) or None.")
       .def("publish",
            [w](const Plan& p, const PyCacheView& cache, int32_t layer, In q, In block_table, In seq_lens,
@@ -377,12 +380,13 @@ void bind_prefill_plan(nb::module_& m, Where w, const char* backend) {
            "q uint8 E4M3 [extents.rows, H, 128], block_table int32 [num_requests, limits.max_pages], seq_lens "
            "int32 [num_requests], query_start int32 [num_requests + 1] -> out int32 [extents.rows, num_heads, "
            "K]. gather / local_score (spec/indexer.md 5) exchange inside run through comm, which they need: a "
-           "communicator of world ranks (InProcessGroup(world).comm(rank) for the CPU plans, "
-           "indexcp.cuda.DeviceGroup(world).comm(rank) for the CUDA plans; every rank calls run on its own "
-           "thread, the call releases the GIL). The library has no split form of the prefill exchange (a "
-           "gather run makes gather_chunks(extents) all-gathers between its steps), so an engine's own "
-           "communicator cannot stand in. InvalidArgumentError names comm when it is missing or of the "
-           "wrong memory.");
+           "communicator of world ranks (host for the CPU plans: InProcessGroup(world).comm(rank) or a "
+           "HostCommunicator such as indexcp.distributed.TorchCommunicator; device for the CUDA plans: "
+           "indexcp.cuda.DeviceGroup(world).comm(rank) or an indexcp.cuda.DeviceCommunicator such as "
+           "indexcp.distributed.TorchDeviceCommunicator; the call releases the GIL, so simulated ranks run "
+           "on threads). The library has no split form of the prefill exchange (a gather run makes "
+           "gather_chunks(extents) all-gathers between its steps): an engine brings its own exchange as "
+           "such a communicator. InvalidArgumentError names comm when it is missing or of the wrong memory.");
 }
 
 }  // namespace indexcp::py

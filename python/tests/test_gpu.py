@@ -158,8 +158,9 @@ def test_cuda_plan_equals_the_cpu_plan_and_icp_equals_replicated():
 
 def test_torch_device_communicator_on_a_one_rank_nccl_group(tmp_path):
     """TorchDeviceCommunicator over a one-rank NCCL group: the all-gather lands in recv, ordered
-    with the given stream, eagerly and captured in a CUDA graph replayed with new contents (two
-    ranks across processes need two GPUs: the two-GPU runs)."""
+    with the given stream, eagerly and captured in a CUDA graph replayed with new contents. Two
+    ranks across processes need two GPUs and are not tested here (nor is a captured plan run
+    through NCCL)."""
     import torch.distributed as dist
 
     import indexcp.distributed
@@ -172,6 +173,7 @@ def test_torch_device_communicator_on_a_one_rank_nccl_group(tmp_path):
         s = torch.cuda.Stream()
         send = torch.arange(1, 65, dtype=torch.uint8, device="cuda")
         recv = torch.zeros(64, dtype=torch.uint8, device="cuda")
+        s.wait_stream(torch.cuda.current_stream())  # send / recv were written on the current stream
         comm.call_all_gather(send, recv, stream=s.cuda_stream)
         s.synchronize()
         assert torch.equal(recv, send) and comm.bytes_sent == 64
@@ -365,6 +367,7 @@ def test_device_communicator_is_checked_and_refused_by_the_cpu_plans():
     send = torch.arange(1, 41, dtype=torch.uint8, device="cuda")
     recv = torch.zeros(40, dtype=torch.uint8, device="cuda")
     s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())  # send / recv were written on the current stream
     c.call_all_gather(send, recv, stream=s.cuda_stream)
     s.synchronize()
     assert torch.equal(recv, send) and c.bytes_sent == 40 and c.calls == [(s.cuda_stream, 40)]
@@ -381,6 +384,19 @@ def test_device_communicator_is_checked_and_refused_by_the_cpu_plans():
     ws = torch.zeros(max(p.workspace_bytes, 16), dtype=torch.uint8)
     with pytest.raises(indexcp.InvalidArgumentError, match="comm: a device communicator"):
         p.run(v, 1, q8, bt, seq, ws, out, ThreadExchange(2).comms[1])
+
+
+def test_torch_device_communicator_refuses_a_gloo_group(tmp_path):
+    import torch.distributed as dist
+
+    import indexcp.distributed
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    try:
+        with pytest.raises(indexcp.InvalidArgumentError, match="NCCL"):
+            indexcp.distributed.TorchDeviceCommunicator()
+    finally:
+        dist.destroy_process_group()
 
 
 def test_device_communicator_exception_ends_the_run():

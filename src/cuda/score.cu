@@ -277,6 +277,10 @@ __global__ void __launch_bounds__(warps_of<MODE>() * 32, minb_of<MODE>()) score_
       const int ln = (e / NW) & 31, nt = (e / (NW * 32)) % NG * NW + e % NW, s = e / (NW * 32 * NG);
       const uint32_t w = qraw[it];  // 0 (= +0.0 in E4M3) for vectors past nvec
       uint2 v;
+      // the byte of w of each half follows form_dim (w holds dims d .. d + 3 of k-step s)
+      static_assert(form_dim(0, 0, 0, 1) == form_dim(0, 0, 0, 0) + 1 && form_dim(0, 0, 1, 0) == form_dim(0, 0, 0, 0) + 2 &&
+                        form_dim(0, 0, 1, 1) == form_dim(0, 0, 0, 0) + 3 && form_dim(1, 0, 0, 0) == form_dim(0, 0, 0, 0) + 4,
+                    "the query pairs below assume form_dim's order");
       v.x = q_pair_bytes(w & 0xffu, (w >> 8) & 0xffu);          // first pair: dims d, d + 1
       v.y = q_pair_bytes((w >> 16) & 0xffu, (w >> 24) & 0xffu);  // second pair: dims d + 2, d + 3
       if constexpr (WG) {
