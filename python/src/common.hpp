@@ -84,6 +84,14 @@ std::string describe(const ArrInfo& a);
 
 [[noreturn]] void invalid(const std::string& msg);
 
+/// The checks of a Python-implemented communicator's rank and world (HostCommunicator,
+/// DeviceCommunicator): world in 1..64, rank in 0..world - 1, else InvalidArgumentError naming them.
+inline void check_rank_world(int rank, int world) {
+  if (world < 1 || world > 64) invalid("world = " + std::to_string(world) + " must lie in 1..64");
+  if (rank < 0 || rank >= world)
+    invalid("rank = " + std::to_string(rank) + " must lie in 0..world - 1 = " + std::to_string(world - 1));
+}
+
 /// A cache view as Python holds it: the library's view plus the array (or arrays) it points
 /// into, kept alive by the Python object.
 struct PyCacheView {

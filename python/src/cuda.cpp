@@ -29,11 +29,7 @@ namespace {
 /// rank / world are fixed at construction; bytes_sent is counted here.
 class DeviceCommunicatorBase : public Communicator {
  public:
-  DeviceCommunicatorBase(int rank, int world) : rank_(rank), world_(world) {
-    if (world < 1 || world > 64) invalid("world = " + std::to_string(world) + " must lie in 1..64");
-    if (rank < 0 || rank >= world)
-      invalid("rank = " + std::to_string(rank) + " must lie in 0..world - 1 = " + std::to_string(world - 1));
-  }
+  DeviceCommunicatorBase(int rank, int world) : rank_(rank), world_(world) { check_rank_world(rank, world); }
   int rank() const override { return rank_; }
   int world() const override { return world_; }
   std::size_t bytes_sent() const override { return sent_; }

@@ -90,6 +90,20 @@ def limits(bt):
                                 sel=indexcp.SelectionParams(topk=K))
 
 
+def run_cpu_icp_plan(comm):
+    """Rank 1's CPU ICP decode plan run with `comm` (the CPU plans take host communicators only)."""
+    rc = indexcp.resolve_config(
+        indexcp.AttentionConfig.from_json('{"indexer_kv_dtype": "nvfp4", "indexer_cache_sharding": "on"}'),
+        indexcp.EngineParams(tp=2, heads=H, query_len=Q))
+    _, _, _, bt, seq = batch()
+    p = indexcp.DecodePlan(rc, 1, limits(bt))
+    t, v = caches(W=2, rank=1, device="cpu")
+    q8 = torch.zeros(bt.shape[0] * Q, H, 128, dtype=torch.uint8)
+    out = torch.zeros(bt.shape[0] * Q, p.num_heads, K, dtype=torch.int32)
+    ws = torch.zeros(max(p.workspace_bytes, 16), dtype=torch.uint8)
+    p.run(v, 1, q8, bt, seq, ws, out, comm)
+
+
 def test_cuda_plan_equals_the_cpu_plan_and_icp_equals_replicated():
     keys, slots, q32, bt, seq = batch()
     q8 = torch.zeros(q32.shape, dtype=torch.uint8)
@@ -373,17 +387,8 @@ def test_device_communicator_is_checked_and_refused_by_the_cpu_plans():
     assert torch.equal(recv, send) and c.bytes_sent == 40 and c.calls == [(s.cuda_stream, 40)]
     with pytest.raises(indexcp.InvalidArgumentError, match="recv"):
         c.call_all_gather(send, recv[:10])
-    rc = indexcp.resolve_config(
-        indexcp.AttentionConfig.from_json('{"indexer_kv_dtype": "nvfp4", "indexer_cache_sharding": "on"}'),
-        indexcp.EngineParams(tp=2, heads=H, query_len=Q))
-    _, _, _, bt, seq = batch()
-    p = indexcp.DecodePlan(rc, 1, limits(bt))
-    t, v = caches(W=2, rank=1, device="cpu")
-    q8 = torch.zeros(bt.shape[0] * Q, H, 128, dtype=torch.uint8)
-    out = torch.zeros(bt.shape[0] * Q, p.num_heads, K, dtype=torch.int32)
-    ws = torch.zeros(max(p.workspace_bytes, 16), dtype=torch.uint8)
     with pytest.raises(indexcp.InvalidArgumentError, match="comm: a device communicator"):
-        p.run(v, 1, q8, bt, seq, ws, out, ThreadExchange(2).comms[1])
+        run_cpu_icp_plan(ThreadExchange(2).comms[1])
 
 
 def test_torch_device_communicator_refuses_a_gloo_group(tmp_path):
@@ -505,17 +510,8 @@ def test_device_group_comms_are_refused_by_the_cpu_plans_and_checked():
         group.comm(2)
     c = group.comm(1)
     assert (c.rank, c.world) == (1, 2)
-    rc = indexcp.resolve_config(
-        indexcp.AttentionConfig.from_json('{"indexer_kv_dtype": "nvfp4", "indexer_cache_sharding": "on"}'),
-        indexcp.EngineParams(tp=2, heads=H, query_len=Q))
-    _, _, _, bt, seq = batch()
-    p = indexcp.DecodePlan(rc, 1, limits(bt))
-    t, v = caches(W=2, rank=1, device="cpu")
-    q8 = torch.zeros(bt.shape[0] * Q, H, 128, dtype=torch.uint8)
-    out = torch.zeros(bt.shape[0] * Q, p.num_heads, K, dtype=torch.int32)
-    ws = torch.zeros(max(p.workspace_bytes, 16), dtype=torch.uint8)
     with pytest.raises(indexcp.InvalidArgumentError, match="comm"):
-        p.run(v, 1, q8, bt, seq, ws, out, c)
+        run_cpu_icp_plan(c)
 
 
 @pytest.mark.parametrize("norm,rope", [(True, False), (True, True)])
