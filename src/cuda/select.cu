@@ -14,8 +14,9 @@
 //   CTA kernel, 256 threads per (row, head), for few problems (latency): a radix select over the
 //   32-bit keys (4 passes of 8 bits), the ties at the boundary taken in id order by a block scan.
 //   merge: one warp per (row, head) over the W x (K-1) published candidates: up to 32 of them
-//   (W = 2, K = 16) one per lane, deduplicated and selected by three warp sorts; more of them in
-//   shared memory, by counting.
+//   (W = 2, K = 16) one per lane, sorted by id once (a warp bitonic sort), deduplicated by
+//   neighbours and selected by counting ranks across the warp; more of them in shared memory, by
+//   counting.
 // Nothing is approximate: the selection is exactly the CPU's on the same scores.
 #include <algorithm>
 #include <climits>
@@ -656,8 +657,8 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) merge_kernel(const MergeLau
   int32_t* o = mg.out + (row * mg.out_heads + mg.out_h0 + hh) * sel.topk;
   const int64_t per_rank = mg.rank_stride != 0 ? mg.rank_stride : mg.rows.rows * mg.heads * kk;
   // The plans' step signatures (did every rank run this step?): their loads are issued first, with
-  // the row's seq_lens load, and checked after this warp's candidate loads are issued on the fast
-  // path, so that the latencies overlap.
+  // the row's seq_lens load, and checked on the fast path after its arithmetic, just before its
+  // writes, so that the latencies overlap.
   SignatureLoads sig_loads;
   if (mg.signature != nullptr) sig_loads = signature_loads(mg);
   auto disagree = [&]() -> bool {
@@ -679,12 +680,11 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) merge_kernel(const MergeLau
   const int32_t local = static_cast<int32_t>(n_vis - 1);
   const int32_t m = mg.world * kk;  // <= kStaged / 2 (checked at launch)
   const Candidate* base_c = mg.cands + (row * mg.heads + h) * kk;
-  if (m <= 32) {  // fast path (e.g. W = 2, K = 16): one entry per lane, three warp sorts in registers
+  if (m <= 32) {  // fast path (e.g. W = 2, K = 16): one entry per lane, one warp sort in registers
     uint32_t k = 0u;
     int32_t id = -1;
     Candidate c{0.0f, -1};
     if (lane < m) c = base_c[static_cast<int64_t>(lane / kk) * per_rank + lane % kk];
-    if (disagree()) return;
     if (lane < m) {
       id = c.block;
       k = (c.block >= init && c.block < local) ? score_key(c.score) + 1u : 0u;  // row's non-forced blocks only
@@ -695,17 +695,22 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) merge_kernel(const MergeLau
     id = static_cast<int32_t>(v >> 32);
     k = ~static_cast<uint32_t>(v);
     const int32_t prev = __shfl_up_sync(0xffffffffu, id, 1);
-    const bool keep = k != 0u && (lane == 0 || prev != id);
-    // 2. the kk best of the kept entries by (K desc, id asc): ascending on ~(K << 32 | ~id)
-    uint64_t w = keep ? ~(static_cast<uint64_t>(k) << 32 | ~static_cast<uint32_t>(id)) : ~uint64_t{0};
-    w = warp_sort_asc(w);
-    const bool chosen = lane < kk && w != ~uint64_t{0};  // low 32 bits of w: the id
-    // 3. the selection in ascending id order
-    uint64_t x = chosen ? static_cast<uint64_t>(static_cast<uint32_t>(w)) : ~uint64_t{0};
-    x = warp_sort_asc(x);
-    const int got = __popc(__ballot_sync(0xffffffffu, chosen));
+    const uint32_t kept = (k != 0u && (lane == 0 || prev != id)) ? k : 0u;  // K of a kept entry, else 0
+    // 2. each kept entry's rank by (K desc, id asc) among the kept ones, by counting: the lanes
+    //    hold ascending ids now, so an id tie is lane order (no second sort)
+    int r = 0;
+#pragma unroll
+    for (int f = 0; f < 32; ++f) {
+      const uint32_t kf = __shfl_sync(0xffffffffu, kept, f);
+      r += (kf > kept || (kf == kept && f < lane)) ? 1 : 0;
+    }
+    const bool chosen = kept != 0u && r < kk;
+    // 3. the selection in ascending id order: a chosen entry's place is the chosen lanes below it
+    const unsigned cm = __ballot_sync(0xffffffffu, chosen);
+    const int got = __popc(cm);
+    if (disagree()) return;  // after the arithmetic, so that the check's latency hides behind it
     for (int q = lane; q < init; q += 32) o[q] = q;
-    if (lane < got) o[init + lane] = static_cast<int32_t>(x);
+    if (chosen) o[init + __popc(cm & ((1u << lane) - 1u))] = id;
     for (int q = init + got + lane; q < sel.topk; q += 32) o[q] = q == init + got ? local : -1;
     return;
   }
