@@ -344,29 +344,51 @@ __device__ __forceinline__ void write_step_signature(const RowsView& rows, const
 }
 
 // The merge's check of the step signatures, in two parts so that its loads leave with the row's
-// first loads instead of after the candidates: SignatureLoads issues this lane's hash terms and
-// its word of the first two ranks' signatures; signatures_differ then finishes the hashes and
-// compares (true on every lane of the warp when some rank's record carries another signature than
-// the step this rank merges: the merge's rows and the plan's fields in mg.expect).
+// first loads instead of after the candidates: SignatureLoads issues this lane's loads (its word of
+// the first two ranks' signatures, seq_lens and query_start at lane + 32 u for u < kSigPre) as
+// plain predicated loads whose values are consumed only later (a load consumed inside a loop made
+// the whole warp wait one L2 round trip before the row's own loads); signatures_differ then
+// computes the hashes (entries past 32 kSigPre by a loop of their own), and compares: true on every
+// lane of the warp when some rank's record carries another signature than the step this rank
+// merges (the merge's rows and the plan's fields in mg.expect).
+constexpr int kSigPre = 4;  // hash entries per lane loaded up front: batches of up to 128 requests
 struct SignatureLoads {
-  uint32_t h8 = 0u, h9 = 0u;  // this lane's terms of the hashes
-  uint32_t first = 0u;        // word lane & 15 of rank lane >> 4's signature (when that rank exists)
+  int32_t seq[kSigPre] = {}, qs[kSigPre] = {};  // seq_lens / query_start at lane + 32 u (when in range)
+  uint32_t first = 0u;  // word lane & 15 of rank lane >> 4's signature (when that rank exists)
 };
 
 __device__ __forceinline__ SignatureLoads signature_loads(const MergeLaunch& mg) {
   SignatureLoads l;
   const int lane = threadIdx.x & 31;
+  const int32_t n = mg.rows.num_requests;
   if (lane >> 4 < mg.world) l.first = mg.signature[static_cast<int64_t>(lane >> 4) * mg.rank_stride * 2 + (lane & 15)];
-  for (int32_t i = lane; i < mg.rows.num_requests; i += 32) l.h8 += step_signature_term(i, mg.rows.seq_lens[i]);
-  if (mg.rows.query_start != nullptr)
-    for (int32_t i = lane; i <= mg.rows.num_requests; i += 32) l.h9 += step_signature_term(i, mg.rows.query_start[i]);
+#pragma unroll
+  for (int u = 0; u < kSigPre; ++u)
+    if (lane + 32 * u < n) l.seq[u] = mg.rows.seq_lens[lane + 32 * u];
+  if (mg.rows.query_start != nullptr) {
+#pragma unroll
+    for (int u = 0; u < kSigPre; ++u)
+      if (lane + 32 * u <= n) l.qs[u] = mg.rows.query_start[lane + 32 * u];
+  }
   return l;
 }
 
 __device__ __forceinline__ bool signatures_differ(const MergeLaunch& mg, const SignatureLoads& l) {
-  const uint32_t h8 = __reduce_add_sync(0xffffffffu, l.h8);
-  const uint32_t h9 = __reduce_add_sync(0xffffffffu, l.h9);
   const int lane = threadIdx.x & 31;
+  const int32_t n = mg.rows.num_requests;
+  uint32_t h8 = 0u, h9 = 0u;
+#pragma unroll
+  for (int u = 0; u < kSigPre; ++u)
+    if (lane + 32 * u < n) h8 += step_signature_term(lane + 32 * u, l.seq[u]);
+  for (int32_t i = lane + 32 * kSigPre; i < n; i += 32) h8 += step_signature_term(i, mg.rows.seq_lens[i]);
+  if (mg.rows.query_start != nullptr) {
+#pragma unroll
+    for (int u = 0; u < kSigPre; ++u)
+      if (lane + 32 * u <= n) h9 += step_signature_term(lane + 32 * u, l.qs[u]);
+    for (int32_t i = lane + 32 * kSigPre; i <= n; i += 32) h9 += step_signature_term(i, mg.rows.query_start[i]);
+  }
+  h8 = __reduce_add_sync(0xffffffffu, h8);
+  h9 = __reduce_add_sync(0xffffffffu, h9);
   const uint32_t mine = signature_word(mg.expect, lane & 15, h8, h9);
   bool differ = (lane >> 4 < mg.world) && l.first != mine;
   for (int p = (lane >> 4) + 2; p < mg.world; p += 2)
