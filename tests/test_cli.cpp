@@ -648,6 +648,8 @@ TEST(Cli, BenchRefusesBadOptionsAndRunsWhereAGpuIs) {
     for (const char* k : {"device", "num_gpus", "processes", "cuda", "driver", "git_rev", "command", "copy_bandwidth_gbs"})
       EXPECT_TRUE(rec.contains(k)) << args << ": no " << k;
     EXPECT_GT(rec["copy_bandwidth_gbs"].get<double>(), 100.0);
+    ASSERT_TRUE(rec.contains("graph_launch_us")) << args;
+    EXPECT_GT(rec["graph_launch_us"].get<double>(), 0.0) << args;
     ASSERT_TRUE(rec["results"].is_array() && !rec["results"].empty()) << args;
     for (const auto& res : rec["results"]) {
       EXPECT_TRUE(res.contains("variant"));

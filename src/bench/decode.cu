@@ -127,6 +127,8 @@ bool decode(const DecodeOptions& o) {
   const auto sst = reinterpret_cast<cuda::Stream>(st);
   std::printf("device %s: copy bandwidth %.0f GB/s (read + write), FP8 matrix rate %.0f TFLOP/s\n", dev.name().c_str(),
               dev.copy_bandwidth_gbs(), dev.fp8_tflops());
+  std::printf("graph launch (a graph of one empty kernel, timed as every cell; part of each median): %.1f us\n",
+              dev.graph_launch_us());
   std::printf("%s: TP%d simulated on one GPU, rank 0 timed, Q = %d, H = %d, %s (%s rounding), K = 16\n",
               o.topk_only ? "top-k selection" : "decode indexer", W, Q, H, o.kv_dtype.c_str(), o.k_rounding.c_str());
   std::printf("%-5s %-4s %-7s %-24s %10s %10s %9s %8s %s\n", "P", "reqs", "context", "variant", "median us", "MB read",

@@ -161,6 +161,8 @@ double measure_fp8_tflops(cudaStream_t st, std::string* note) {
   return tflops;
 }
 
+__global__ void empty_kernel() {}
+
 std::string driver_version() {
   std::ifstream f("/proc/driver/nvidia/version");
   std::string line;
@@ -191,6 +193,12 @@ Device::Device(bool measure_fp8) {
   ck(cudaMalloc(&flush_, flush_bytes_), "cudaMalloc (L2 flush buffer)");
   copy_bw_ = measure_copy_bandwidth(st_);
   if (measure_fp8) fp8_tflops_ = measure_fp8_tflops(st_, &fp8_note_);
+  cudaGraphExec_t empty = capture([&] {
+    empty_kernel<<<1, 1, 0, st_>>>();
+    ck(cudaGetLastError(), "empty kernel launch");
+  });
+  graph_launch_us_ = time_graph(empty, 200).median;
+  cudaGraphExecDestroy(empty);
 }
 
 Device::~Device() {
@@ -250,6 +258,8 @@ json record_header(const std::string& benchmark, const RunOptions& o, const Devi
                            " MB) before every replay, outside the timing; median of " + std::to_string(o.replays) +
                            " replays; table run " + std::to_string(o.repeats) +
                            " times, medians averaged when within 2%"}};
+  j["graph_launch_us"] = d.graph_launch_us();
+  j["graph_launch_note"] = "median replay of a graph of one empty kernel, timed as the cells are (part of every median_us)";
   if (d.fp8_tflops() > 0) j["fp8_matrix_tflops"] = d.fp8_tflops();
   if (!d.fp8_note().empty()) j["fp8_matrix_note"] = d.fp8_note();
   return j;

@@ -51,6 +51,11 @@ class Device {
   double copy_bandwidth_gbs() const { return copy_bw_; }
   double fp8_tflops() const { return fp8_tflops_; }  ///< 0 when it could not be measured
   const std::string& fp8_note() const { return fp8_note_; }
+  /// The timing method's own cost (us): the median replay, timed as every cell is (L2 flushed,
+  /// events around the launch), of a graph holding one empty kernel of one thread. Part of every
+  /// cell's median; reported beside it, not subtracted (docs/decisions.md, "The graph launch in
+  /// the bench records").
+  double graph_launch_us() const { return graph_launch_us_; }
   std::string name() const;
   /// Flushes L2 (memset of flush_bytes() on the stream).
   void flush_l2(int i);
@@ -102,7 +107,7 @@ class Device {
   cudaEvent_t a_ = nullptr, b_ = nullptr;
   void* flush_ = nullptr;
   size_t flush_bytes_ = 0;
-  double copy_bw_ = 0, fp8_tflops_ = 0;
+  double copy_bw_ = 0, fp8_tflops_ = 0, graph_launch_us_ = 0;
   std::string fp8_note_;
 };
 
