@@ -33,6 +33,7 @@ put("fuzz_config", "nvfp4_on", eng + b'{"indexer_kv_dtype": "nvfp4", "indexer_ca
 put("fuzz_config", "all_keys", bytes([2, 1, 0, 8, 0, 1]) + json.dumps({
     "indexer_kv_dtype": "fp8", "indexer_cache_sharding": "on", "indexer_prefill_cp": "local_score",
     "indexer_decode_cp": False, "indexer_k_rounding": "bf16", "indexer_prefill_gather_budget_mib": 64}).encode())
+put("fuzz_config", "fp8_mma", eng + b'{"indexer_kv_dtype": "nvfp4", "indexer_k_rounding": "exact", "indexer_score_precision": "fp8_mma"}')
 put("fuzz_config", "bf16_on", eng + b'{"indexer_kv_dtype": "bf16", "indexer_cache_sharding": "on"}')
 put("fuzz_config", "decode_cp", bytes([3, 1, 0, 1, 1, 0]) + b'{"indexer_decode_cp": true}')
 put("fuzz_config", "repeated_key", eng + b'{"indexer_kv_dtype": "fp8", "indexer_kv_dtype": "nvfp4"}')

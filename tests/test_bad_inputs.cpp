@@ -163,6 +163,7 @@ std::vector<Entry> catalogue() {
   e.push_back({"CLI flag", "`indexcp run --topk 1`", [] { return cli("run --topk 1"); }});
   e.push_back({"CLI flag", "`indexcp run --query-len 17`", [] { return cli("run --query-len 17"); }});
   e.push_back({"CLI flag", "`indexcp run --tp 3`", [] { return cli("run --tp 3"); }});
+  e.push_back({"CLI flag", "`indexcp run --score-precision fp16`", [] { return cli("run --score-precision fp16"); }});
   e.push_back({"CLI flag", "`indexcp run --steps 12abc`", [] { return cli("run --steps 12abc"); }});
   e.push_back({"CLI flag", "`indexcp capacity --budget-gib 0`", [] { return cli("capacity --budget-gib 0"); }});
   e.push_back({"CLI flag (NaN)", "`indexcp capacity --budget-gib nan`", [] { return cli("capacity --budget-gib nan"); }});
@@ -225,6 +226,12 @@ std::vector<Entry> catalogue() {
                [] { return cli("config --tp 2 --page-size 128 --attention-config '{\"indexer_kv_dtype\": \"fp8\", \"indexer_kv_dtype\": \"nvfp4\"}'"); }});
   e.push_back({"config", "`config --tp 2 --page-size 128 --attention-config '{\"indexer_sharding\": \"on\"}'` (unknown key)",
                [] { return cli("config --tp 2 --page-size 128 --attention-config '{\"indexer_sharding\": \"on\"}'"); }});
+  e.push_back({"config", "`config --tp 2 --page-size 128 --attention-config '{\"indexer_score_precision\": \"fp16\"}'`",
+               [] { return cli("config --tp 2 --page-size 128 --attention-config '{\"indexer_score_precision\": \"fp16\"}'"); }});
+  e.push_back({"config", "`config --tp 2 --page-size 128 --attention-config '{\"indexer_kv_dtype\": \"bf16\", \"indexer_score_precision\": \"fp8_mma\"}'`",
+               [] { return cli("config --tp 2 --page-size 128 --attention-config '{\"indexer_kv_dtype\": \"bf16\", \"indexer_score_precision\": \"fp8_mma\"}'"); }});
+  e.push_back({"config", "`config --tp 2 --page-size 128 --attention-config '{\"indexer_kv_dtype\": \"nvfp4\", \"indexer_k_rounding\": \"exact\", \"indexer_score_precision\": \"fp8_mma\"}'`",
+               [] { return cli("config --tp 2 --page-size 128 --attention-config '{\"indexer_kv_dtype\": \"nvfp4\", \"indexer_k_rounding\": \"exact\", \"indexer_score_precision\": \"fp8_mma\"}'"); }});
   e.push_back({"config", "`config --tp 2 --page-size 128 --attention-config '{'` (not JSON)", [] { return cli("config --tp 2 --page-size 128 --attention-config '{'"); }});
   e.push_back({"config (oversized)", "`config --tp 2 --page-size 128 --attention-config '{\"indexer_prefill_gather_budget_mib\": 1e300}'`",
                [] { return cli("config --tp 2 --page-size 128 --attention-config '{\"indexer_prefill_gather_budget_mib\": 1e300}'"); }});

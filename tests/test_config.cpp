@@ -112,10 +112,14 @@ TEST(AttentionConfig, EveryKeyAndValue) {
   EXPECT_EQ(cfg(R"({"indexer_k_rounding": "exact"})").k_rounding, KRounding::kExact);
   EXPECT_EQ(cfg(R"({"indexer_prefill_gather_budget_mib": 1})").prefill_gather_budget_mib, 1);
   EXPECT_EQ(cfg(R"({"indexer_prefill_gather_budget_mib": 4096})").prefill_gather_budget_mib, 4096);
+  EXPECT_EQ(cfg(R"({"indexer_score_precision": "fp32"})").score_precision, ScorePrecision::kFp32);
+  EXPECT_EQ(cfg(R"({"indexer_score_precision": "fp8_mma"})").score_precision, ScorePrecision::kFp8Mma);
+  EXPECT_EQ(cfg("{}").score_precision, ScorePrecision::kFp32) << "the default";
   const AttentionConfig all = cfg(R"({"indexer_kv_dtype": "nvfp4", "indexer_cache_sharding": "on",
       "indexer_prefill_cp": "local_score", "indexer_decode_cp": true, "indexer_k_rounding": "exact",
-      "indexer_prefill_gather_budget_mib": 64})");
+      "indexer_prefill_gather_budget_mib": 64, "indexer_score_precision": "fp8_mma"})");
   EXPECT_EQ(all.kv_dtype, KvDtype::kNvfp4);
+  EXPECT_EQ(all.score_precision, ScorePrecision::kFp8Mma);
   EXPECT_TRUE(all.cache_sharding);
   EXPECT_EQ(all.prefill_cp, PrefillCp::kLocalScore);
   EXPECT_TRUE(all.decode_cp);
@@ -124,9 +128,10 @@ TEST(AttentionConfig, EveryKeyAndValue) {
   // to_json round-trips through from_json and holds every key
   const json j = json::parse(all.to_json());
   for (const char* k : {"indexer_kv_dtype", "indexer_cache_sharding", "indexer_prefill_cp", "indexer_decode_cp",
-                        "indexer_k_rounding", "indexer_prefill_gather_budget_mib"})
+                        "indexer_k_rounding", "indexer_prefill_gather_budget_mib", "indexer_score_precision"})
     EXPECT_TRUE(j.contains(k)) << k;
-  EXPECT_EQ(j.size(), 6u);
+  EXPECT_EQ(j.size(), 7u);
+  EXPECT_EQ(j["indexer_score_precision"], "fp8_mma");
   const AttentionConfig back = cfg(all.to_json());
   EXPECT_EQ(back.kv_dtype, all.kv_dtype);
   EXPECT_EQ(back.cache_sharding, all.cache_sharding);
@@ -134,6 +139,7 @@ TEST(AttentionConfig, EveryKeyAndValue) {
   EXPECT_EQ(back.decode_cp, all.decode_cp);
   EXPECT_EQ(back.k_rounding, all.k_rounding);
   EXPECT_EQ(back.prefill_gather_budget_mib, all.prefill_gather_budget_mib);
+  EXPECT_EQ(back.score_precision, all.score_precision);
   EXPECT_EQ(cfg(AttentionConfig{}.to_json()).to_json(), AttentionConfig{}.to_json());
 }
 
@@ -151,6 +157,8 @@ TEST(AttentionConfig, WrongTypesNameKeyAndValue) {
   expect_error([] { cfg(R"({"indexer_decode_cp": "true"})"); }, {"indexer_decode_cp", "\"true\""});
   expect_error([] { cfg(R"({"indexer_decode_cp": 1})"); }, {"indexer_decode_cp", "1"});
   expect_error([] { cfg(R"({"indexer_k_rounding": 0})"); }, {"indexer_k_rounding", "0"});
+  expect_error([] { cfg(R"({"indexer_score_precision": 1})"); }, {"indexer_score_precision", "1"});
+  expect_error([] { cfg(R"({"indexer_score_precision": null})"); }, {"indexer_score_precision", "null"});
   expect_error([] { cfg(R"({"indexer_prefill_gather_budget_mib": "256"})"); },
                {"indexer_prefill_gather_budget_mib", "\"256\""});
   expect_error([] { cfg(R"({"indexer_prefill_gather_budget_mib": 1.5})"); }, {"indexer_prefill_gather_budget_mib", "1.5"});
@@ -169,6 +177,9 @@ TEST(AttentionConfig, BadValuesListWhatIsSupported) {
   expect_error([] { cfg(R"({"indexer_prefill_cp": "scatter"})"); },
                {"indexer_prefill_cp", "scatter", "gather", "local_score"});
   expect_error([] { cfg(R"({"indexer_k_rounding": "rne"})"); }, {"indexer_k_rounding", "rne", "e4m3", "exact"});
+  expect_error([] { cfg(R"({"indexer_score_precision": "fp16"})"); },
+               {"indexer_score_precision", "fp16", "fp32", "fp8_mma"});
+  expect_error([] { cfg(R"({"indexer_score_precision": "FP8_MMA"})"); }, {"indexer_score_precision", "FP8_MMA"});
   for (const char* v : {"0", "-1", "-256"})
     expect_error([v] { cfg(std::string(R"({"indexer_prefill_gather_budget_mib": )") + v + "}"); },
                  {"indexer_prefill_gather_budget_mib", v}, v);
@@ -310,6 +321,39 @@ TEST(Policy, HeadsAndTpMustDivideOneAnother) {
   expect_error([] { resolve_config(cfg("{}"), engine(2, 128, 0)); }, {"heads", "0"});
 }
 
+// Rule 7: fp8_mma needs E4M3 keys; each refusal names both keys and says what works.
+TEST(Policy, Rule7Fp8MmaNeedsE4m3Keys) {
+  EnvGuard env(nullptr);
+  for (const char* c : {R"({"indexer_kv_dtype": "fp8", "indexer_score_precision": "fp8_mma"})",
+                        R"({"indexer_kv_dtype": "nvfp4", "indexer_score_precision": "fp8_mma"})",
+                        R"({"indexer_kv_dtype": "nvfp4", "indexer_k_rounding": "e4m3", "indexer_cache_sharding": "on", "indexer_score_precision": "fp8_mma"})",
+                        R"({"indexer_kv_dtype": "fp8", "indexer_k_rounding": "exact", "indexer_score_precision": "fp8_mma"})"}) {
+    ResolvedConfig r;
+    ASSERT_NO_THROW(r = resolve_config(cfg(c), engine(2))) << c;
+    EXPECT_EQ(r.score_precision, ScorePrecision::kFp8Mma) << c;
+    EXPECT_EQ(json::parse(r.to_json())["indexer_score_precision"], "fp8_mma") << c;
+    EXPECT_NO_THROW(check_resolved_config(r)) << c;
+  }
+  expect_error([] { resolve_config(cfg(R"({"indexer_kv_dtype": "bf16", "indexer_score_precision": "fp8_mma"})"), engine(2)); },
+               {"indexer_score_precision", "fp8_mma", "indexer_kv_dtype", "bf16", "fp32"});
+  expect_error(
+      [] {
+        resolve_config(cfg(R"({"indexer_kv_dtype": "nvfp4", "indexer_k_rounding": "exact", "indexer_score_precision": "fp8_mma"})"),
+                       engine(2));
+      },
+      {"indexer_score_precision", "fp8_mma", "indexer_k_rounding", "exact", "e4m3"});
+  EXPECT_EQ(resolve_config(cfg(R"({"indexer_kv_dtype": "bf16"})"), engine(1)).score_precision, ScorePrecision::kFp32);
+  // a hand-built config with a value that is no enumerator, and a hand-edited resolved config
+  AttentionConfig bad;
+  bad.score_precision = static_cast<ScorePrecision>(7);
+  expect_error([&] { resolve_config(bad, engine(2)); }, {"indexer_score_precision", "7"});
+  ResolvedConfig edited = resolve_config(cfg(R"({"indexer_kv_dtype": "fp8"})"), engine(2));
+  edited.score_precision = ScorePrecision::kFp8Mma;
+  expect_error([&] { check_resolved_config(edited); }, {"ResolvedConfig.score_precision", "fp8_mma", "fp32"});
+  EXPECT_EQ(parse_score_precision("fp8_mma"), ScorePrecision::kFp8Mma);
+  expect_error([] { parse_score_precision("tf32"); }, {"indexer_score_precision", "tf32"});
+}
+
 TEST(Policy, KRoundingExactOnFp8IsANote) {
   EnvGuard env(nullptr);
   const ResolvedConfig r = resolve_config(cfg(R"({"indexer_kv_dtype": "fp8", "indexer_k_rounding": "exact"})"), engine(2));
@@ -364,8 +408,9 @@ TEST(ResolvedConfig, ToJsonHasEveryKey) {
   ASSERT_NO_THROW(j = json::parse(r.to_json())) << r.to_json();
   ASSERT_TRUE(j.is_object());
   for (const char* k : {"indexer_kv_dtype", "indexer_cache_sharding", "indexer_prefill_cp", "indexer_decode_cp",
-                        "indexer_k_rounding", "indexer_prefill_gather_budget_mib", "notes"})
+                        "indexer_k_rounding", "indexer_prefill_gather_budget_mib", "indexer_score_precision", "notes"})
     EXPECT_TRUE(j.contains(k)) << k << " missing in " << r.to_json();
+  EXPECT_EQ(j["indexer_score_precision"], "fp32");
   EXPECT_EQ(j["indexer_kv_dtype"], "nvfp4");
   EXPECT_EQ(j["indexer_cache_sharding"], "on");
   EXPECT_EQ(j["indexer_prefill_cp"], "local_score");
@@ -652,6 +697,8 @@ TEST(RankAgreement, EqualRecordsPassAndEachFieldIsNamedWhenItDiffers) {
       {resolved(R"({"indexer_kv_dtype": "nvfp4", "indexer_cache_sharding": "on", "indexer_prefill_gather_budget_mib": 64})"), 100,
        {"indexer_prefill_gather_budget_mib", "rank 0 has 256", "rank 1 has 64"}},
       {base, 101, {"num_pages", "rank 0 has 100", "rank 1 has 101"}},
+      {resolved(R"({"indexer_kv_dtype": "nvfp4", "indexer_cache_sharding": "on", "indexer_score_precision": "fp8_mma"})"), 100,
+       {"indexer_score_precision", "rank 0 has fp32", "rank 1 has fp8_mma"}},
   };
   for (const auto& c : cases) {
     const std::string ctx = c.needles[0];
@@ -674,7 +721,7 @@ TEST(RankAgreement, RecordsOfAnotherBuildOrOfARefusingRankAndBadArguments) {
   other.v[0] += 1;  // another version of the record
   std::vector<RankAgreement> v = {a, other};
   expect_error([&] { check_rank_agreement_records(v.data(), 2); },
-               {"rank 1", "version 2 of the agreement record, this build's is 1", "same indexcp on every rank"});
+               {"rank 1", "version 3 of the agreement record, this build's is 2", "same indexcp on every rank"});
   other.v[0] = 12345;  // not a record of ours
   v = {other, a};
   expect_error([&] { check_rank_agreement_records(v.data(), 2); }, {"rank 0", "no indexcp agreement record"});

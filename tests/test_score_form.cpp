@@ -178,4 +178,47 @@ TEST(ScoreForm, Fp8StagingAndNvfp4ExpandToTheSameBits) {
   }
 }
 
+// The fp8_mma form: the k-slots of the m16n8k32 steps cover every dimension once and name the
+// same dimensions as the fp16 form (k-step s8 = the fp16 form's k-steps 2 s8, 2 s8 + 1), so both
+// precision modes read the same bytes of a thread's rows and queries.
+TEST(ScoreForm, Fp8MmaKSlotsAreTheFp16FormsDimensions) {
+  std::set<int> dims;
+  for (int t4 = 0; t4 < 4; ++t4)
+    for (int s8 = 0; s8 < 4; ++s8)
+      for (int half = 0; half < 2; ++half)
+        for (int i = 0; i < 4; ++i) {
+          const int d = form8_dim(s8, t4, half, i);
+          EXPECT_TRUE(dims.insert(d).second) << "dim " << d << " twice";
+          EXPECT_EQ(d, form_dim(2 * s8 + half, t4, i >> 1, i & 1));
+        }
+  EXPECT_EQ(dims.size(), 128u);
+}
+
+// The signed E4M3 bytes the fp8_mma form multiplies: byte c of lo (codes 0..3) / hi (4..7) is the
+// reference's k_hat of code c as an E4M3 byte, sign (and -0) included, for positive and (by the
+// code-sign flip) negative scale bytes; the fp16 form's pairs are their conversions.
+TEST(ScoreForm, KhatBytesAreTheReferenceE4m3OfEachCode) {
+  std::mt19937 rng(19);
+  for (int it = 0; it < 20000; ++it) {
+    const uint32_t w = rng();
+    const bool neg = it & 1;
+    const uint8_t sc = static_cast<uint8_t>((neg ? 0x80u : 0u) | (rng() % 0x7f));
+    uint32_t lo = 0, hi = 0, blo = 0, bhi = 0, h[4];
+    form_khat_entry(sc, &lo, &hi);
+    form_khat_bytes(neg ? w ^ 0x88888888u : w, lo, hi, &blo, &bhi);
+    form_expand_e4m3(neg ? w ^ 0x88888888u : w, lo, hi, h);
+    for (int c = 0; c < 8; ++c) {
+      const uint8_t code = static_cast<uint8_t>((w >> (4 * c)) & 0xFu);
+      const uint8_t byte = static_cast<uint8_t>(((c < 4 ? blo : bhi) >> (8 * (c & 3))) & 0xFFu);
+      const float want = nvfp4_khat(code, sc, KRounding::kE4m3);
+      ASSERT_EQ(e4m3_decode(byte), want) << std::hex << "w " << w << " scale " << +sc << " code " << c;
+      ASSERT_EQ((byte & 0x80u) != 0, std::signbit(want)) << "sign of code " << +code;
+    }
+    EXPECT_EQ(h[0], form_cvt_lo(blo));
+    EXPECT_EQ(h[1], form_cvt_hi(blo));
+    EXPECT_EQ(h[2], form_cvt_lo(bhi));
+    EXPECT_EQ(h[3], form_cvt_hi(bhi));
+  }
+}
+
 }  // namespace

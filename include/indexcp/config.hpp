@@ -25,6 +25,7 @@ struct AttentionConfig {
   bool decode_cp = false;                      ///< indexer_decode_cp
   KRounding k_rounding = KRounding::kE4m3;     ///< indexer_k_rounding
   int64_t prefill_gather_budget_mib = 256;     ///< indexer_prefill_gather_budget_mib, 1..kMaxGatherBudgetMib
+  ScorePrecision score_precision = ScorePrecision::kFp32;  ///< indexer_score_precision
 
   /// Parses a JSON object. Errors (Error, kInvalidArgument) name the key and value: not an
   /// object, unknown key, wrong type, value not among those listed (the message lists them),
@@ -54,6 +55,7 @@ struct ResolvedConfig {
   PrefillCp prefill_cp = PrefillCp::kGather;
   bool decode_cp = false;          ///< effective decode CP over a replicated cache
   KRounding k_rounding = KRounding::kE4m3;
+  ScorePrecision score_precision = ScorePrecision::kFp32;  ///< as requested (rule 7 refuses what cannot run)
   int64_t prefill_gather_budget_bytes = 256ll << 20;
   bool p256_stock_decode = false;  ///< INDEXCP_P256_STOCK_DECODE, default 1 (effective at P256/W2 only)
   int64_t index_bytes_per_token_per_layer_per_rank = 128;  ///< config.md section 3
@@ -64,7 +66,10 @@ struct ResolvedConfig {
 
 /// Applies the policy of spec/config.md section 2. Throws Error (kUnsupported or
 /// kInvalidArgument) whose message names the offending key and value and says what is
-/// supported. Reads the environment variable INDEXCP_P256_STOCK_DECODE ("0" or "1").
+/// supported. Reads the environment variable INDEXCP_P256_STOCK_DECODE ("0" or "1"). Rule 7:
+/// indexer_score_precision "fp8_mma" needs E4M3 keys, so bf16, and nvfp4 with indexer_k_rounding
+/// "exact", are refused naming both keys; whether a backend can run the mode is checked when its
+/// indexer or plan is made (the resolved config is backend-independent).
 ResolvedConfig resolve_config(const AttentionConfig& config, const EngineParams& engine);
 
 /// Throws Error (kInvalidArgument) naming the field unless `c` is what resolve_config gives for
@@ -86,12 +91,13 @@ void check_resolved_config(const ResolvedConfig& c);
 /// Fields (kFieldsUsed of them, the rest zero), in order: record version, tp, page_size,
 /// indexer_kv_dtype, effective indexer_cache_sharding, effective indexer_decode_cp, then what
 /// applies: indexer_prefill_cp (with sharding; else 0), indexer_k_rounding (nvfp4; else 0),
-/// indexer_prefill_gather_budget_mib (sharding with gather; else 0), num_pages. A setting that
+/// indexer_prefill_gather_budget_mib (sharding with gather; else 0), num_pages,
+/// indexer_score_precision (record version 2). A setting that
 /// has no effect in the rank's configuration is not compared. Never compared: the heads and query
 /// length of EngineParams (each batch carries its own), notes, and p256_stock_decode (its two
 /// scorers give identical bits).
 struct RankAgreement {
-  static constexpr int kFields = 16, kFieldsUsed = 10;
+  static constexpr int kFields = 16, kFieldsUsed = 11;
   int64_t v[kFields] = {};
 };
 static_assert(sizeof(RankAgreement) == 128, "RankAgreement: 128 bytes in every version");

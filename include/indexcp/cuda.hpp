@@ -198,19 +198,20 @@ int64_t validate_prefill_batch(const PrefillBatch& batch, int64_t num_pages, int
 /// shard; NVFP4 or FP8): out fp32 [rows, nh, max_pages * P / 128], -Inf where no score exists
 /// (not historical, or no rows on this rank). Validates the batch (sync) when `validate`.
 void decode_scores(const CacheView& cache, int32_t layer, const DecodeBatch& batch, int32_t h0,
-                   int32_t nh, KRounding mode, float* out, Stream stream, bool validate = true);
+                   int32_t nh, KRounding mode, float* out, Stream stream, bool validate = true,
+                   ScorePrecision precision = ScorePrecision::kFp32);
 
 /// Replicated decode: score heads [h0, h0+nh) and select (indexer.md sections 3-4).
 /// out int32 [rows, nh, K] (device). The cache must be unsharded (Error naming cache).
 /// Validates the batch first when `validate` (sync); otherwise the call only enqueues work.
 void decode_select(const CacheView& cache, int32_t layer, const DecodeBatch& batch, int32_t h0,
                    int32_t nh, const SelectionParams& sel, KRounding mode, int32_t* out,
-                   Stream stream, bool validate = true);
+                   Stream stream, bool validate = true, ScorePrecision precision = ScorePrecision::kFp32);
 
 /// Replicated prefill: NVFP4 scored with E4M3 keys; out int32 [rows, nh, K]. Sync.
 void prefill_select(const CacheView& cache, int32_t layer, const PrefillBatch& batch,
                     int32_t h0, int32_t nh, const SelectionParams& sel, int32_t* out,
-                    Stream stream);
+                    Stream stream, ScorePrecision precision = ScorePrecision::kFp32);
 
 /// Block scores of heads [h0, h0+nh) of a prefill batch against a replicated cache, E4M3 keys
 /// (indexer.md sections 2-3): out fp32 [rows, nh, max_pages * P / 128], -Inf where no score
@@ -220,7 +221,8 @@ void prefill_select(const CacheView& cache, int32_t layer, const PrefillBatch& b
 /// query_start[b+1] - query_start[b]; an upper bound is fine). Errors name the argument for the
 /// host-side checks (cache sharded or bf16, layer, heads, rows < 0, max_rows_per_request < 1).
 void prefill_scores(const CacheView& cache, int32_t layer, const PrefillBatch& batch, int64_t rows,
-                    int32_t max_rows_per_request, int32_t h0, int32_t nh, float* out, Stream stream);
+                    int32_t max_rows_per_request, int32_t h0, int32_t nh, float* out, Stream stream,
+                    ScorePrecision precision = ScorePrecision::kFp32);
 
 // ---------------------------------------------------------------------------------------------
 // Indexer context parallelism, one rank (indexer.md section 5). `comm` must be a device
@@ -241,12 +243,14 @@ void check_rank_agreement(Communicator& comm, const ResolvedConfig& config, int6
 /// pages and are scored by the stock scorer; false keeps the general one (identical bits).
 void icp_decode(Communicator& comm, const CacheView& shard, int32_t layer,
                 const DecodeBatch& batch, const SelectionParams& sel, KRounding mode, int32_t* out,
-                Stream stream, bool validate = true, bool p256_stock = true);
+                Stream stream, bool validate = true, bool p256_stock = true,
+                ScorePrecision precision = ScorePrecision::kFp32);
 
 /// Decode CP over a replicated cache: rank r scores blocks b % W == r, then as icp_decode.
 void decode_cp_replicated(Communicator& comm, const CacheView& cache, int32_t layer,
                           const DecodeBatch& batch, const SelectionParams& sel, KRounding mode,
-                          int32_t* out, Stream stream, bool validate = true);
+                          int32_t* out, Stream stream, bool validate = true,
+                          ScorePrecision precision = ScorePrecision::kFp32);
 
 /// FP8 staging (indexer.md section 5): for each of `num_pages` physical page ids (device int32
 /// [num_pages]), this rank's rows as E4M3 k_hat bytes: out uint8 [num_pages, rows(), 128].
@@ -259,12 +263,13 @@ void stage_fp8(const CacheView& shard, int32_t layer, const int32_t* pages, int6
 /// staging + gathered transient fits budget_bytes), the scoring on the GPU. Sync.
 GatherStats prefill_gather(Communicator& comm, const CacheView& shard, int32_t layer,
                            const PrefillBatch& batch, const SelectionParams& sel,
-                           int64_t budget_bytes, int32_t* out, Stream stream);
+                           int64_t budget_bytes, int32_t* out, Stream stream,
+                           ScorePrecision precision = ScorePrecision::kFp32);
 
 /// local_score prefill, one rank (E4M3 keys), publish, exchange, merge owned heads. Sync.
 void prefill_local_score(Communicator& comm, const CacheView& shard, int32_t layer,
                          const PrefillBatch& batch, const SelectionParams& sel, int32_t* out,
-                         Stream stream);
+                         Stream stream, ScorePrecision precision = ScorePrecision::kFp32);
 
 // ---------------------------------------------------------------------------------------------
 // One rank's decode step and prefill chunk as plan / run (plan.hpp has the shared types and the
@@ -417,6 +422,7 @@ struct DecodeShape {
   int32_t heads = 4;         ///< H; H and W must divide one another
   SelectionParams sel;
   KRounding mode = KRounding::kE4m3;
+  ScorePrecision precision = ScorePrecision::kFp32;  ///< indexer_score_precision (not kFp8Mma with kExact)
 };
 
 class DecodeStep {

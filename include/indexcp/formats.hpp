@@ -39,8 +39,23 @@ enum class KRounding : int {
   kExact = 1,  ///< k_hat = e2m1(code) * e4m3(scale)
 };
 
+/// Accumulation of the indexer's dot products (config key `indexer_score_precision`, indexer.md
+/// section 3). The CPU backend computes exact scores in both; docs/precision.md has the fp8_mma
+/// mode's measured error and selection figures.
+enum class ScorePrecision : int {
+  kFp32 = 0,    ///< fp32-class accumulation (the default): scores within fp32 tolerance of fp64
+  kFp8Mma = 1,  ///< opt-in: E4M3 keys times E4M3 queries on FP8 tensor cores, whose accumulation
+                ///< on Hopper is narrower than fp32 (needs E4M3 keys: fp8, or nvfp4 with e4m3)
+};
+
 /// "bf16" | "fp8" | "nvfp4".
 std::string to_string(KvDtype d);
+/// "fp32" | "fp8_mma".
+std::string to_string(ScorePrecision p);
+/// Throws Error (kInvalidArgument) naming `what` unless `p` is one of the enumerators.
+void check_score_precision(ScorePrecision p, const std::string& what);
+/// Parses "fp32" | "fp8_mma"; throws Error naming `what` otherwise.
+ScorePrecision parse_score_precision(const std::string& s, const std::string& what = "indexer_score_precision");
 /// "e4m3" | "exact".
 std::string to_string(KRounding r);
 /// Throws Error (kInvalidArgument) naming `what` unless `d` is one of the enumerators (a value

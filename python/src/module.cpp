@@ -147,6 +147,11 @@ NB_MODULE(_indexcp, m) {
   nb::enum_<KRounding>(m, "KRounding", "NVFP4 K-rounding at decode (indexer_k_rounding; spec/indexer.md 2).")
       .value("e4m3", KRounding::kE4m3)
       .value("exact", KRounding::kExact);
+  nb::enum_<ScorePrecision>(m, "ScorePrecision",
+                            "Accumulation of the dot products (indexer_score_precision; spec/indexer.md 3): fp32 "
+                            "(default) or the opt-in fp8_mma (FP8 tensor cores on a GPU; the CPU computes exact scores).")
+      .value("fp32", ScorePrecision::kFp32)
+      .value("fp8_mma", ScorePrecision::kFp8Mma);
   nb::enum_<PrefillCp>(m, "PrefillCp", "indexer_prefill_cp (spec/indexer.md 5).")
       .value("gather", PrefillCp::kGather)
       .value("local_score", PrefillCp::kLocalScore);
@@ -159,6 +164,8 @@ NB_MODULE(_indexcp, m) {
         "'bf16' | 'fp8' | 'nvfp4' -> KvDtype; InvalidArgumentError naming indexer_kv_dtype otherwise.");
   m.def("parse_k_rounding", [](const std::string& s) { return parse_k_rounding(s); }, "text"_a,
         "'e4m3' | 'exact' -> KRounding; InvalidArgumentError naming indexer_k_rounding otherwise.");
+  m.def("parse_score_precision", [](const std::string& s) { return parse_score_precision(s); }, "text"_a,
+        "'fp32' | 'fp8_mma' -> ScorePrecision; InvalidArgumentError naming indexer_score_precision otherwise.");
   m.attr("HEAD_DIM") = kHeadDim;
   m.attr("BLOCK_TOKENS") = kBlockTokens;
   m.attr("CACHE_ALIGNMENT") = kCacheAlignment;
@@ -177,7 +184,8 @@ NB_MODULE(_indexcp, m) {
       .def_rw("prefill_cp", &AttentionConfig::prefill_cp)
       .def_rw("decode_cp", &AttentionConfig::decode_cp)
       .def_rw("k_rounding", &AttentionConfig::k_rounding)
-      .def_rw("prefill_gather_budget_mib", &AttentionConfig::prefill_gather_budget_mib);
+      .def_rw("prefill_gather_budget_mib", &AttentionConfig::prefill_gather_budget_mib)
+      .def_rw("score_precision", &AttentionConfig::score_precision);
 
   nb::class_<EngineParams>(m, "EngineParams", "Engine parameters the policy reads (config.hpp, spec/config.md 1).")
       .def("__init__",
@@ -203,6 +211,7 @@ NB_MODULE(_indexcp, m) {
       .def_ro("prefill_cp", &ResolvedConfig::prefill_cp)
       .def_ro("decode_cp", &ResolvedConfig::decode_cp)
       .def_ro("k_rounding", &ResolvedConfig::k_rounding)
+      .def_ro("score_precision", &ResolvedConfig::score_precision)
       .def_ro("prefill_gather_budget_bytes", &ResolvedConfig::prefill_gather_budget_bytes)
       .def_ro("p256_stock_decode", &ResolvedConfig::p256_stock_decode)
       .def_ro("index_bytes_per_token_per_layer_per_rank", &ResolvedConfig::index_bytes_per_token_per_layer_per_rank)

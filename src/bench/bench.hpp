@@ -50,6 +50,7 @@ struct DecodeOptions {
   int query_len = 8;      ///< Q
   std::string kv_dtype = "nvfp4";   ///< nvfp4 | fp8
   std::string k_rounding = "e4m3";  ///< e4m3 | exact (NVFP4 only)
+  std::string score_precision = "fp32";  ///< fp32 | fp8_mma (indexer_score_precision; not with exact)
   std::string dump;       ///< directory: write pages, block table, q and selections for bench/torch
   bool topk_only = false; ///< `bench topk`: time only the selection kernels
 };

@@ -75,7 +75,7 @@ struct Cell {
   DeviceBuffer<uint8_t> q_dev;
   DecodeBatch b;
   cuda::DecodeShape shape;
-  Cell(const Pool& L, int32_t B, int32_t ctx, int32_t Q, int32_t H, KRounding mode)
+  Cell(const Pool& L, int32_t B, int32_t ctx, int32_t Q, int32_t H, KRounding mode, ScorePrecision prec)
       : seq(static_cast<size_t>(B), ctx),
         qh(random_q(static_cast<size_t>(B) * Q * H * 128, static_cast<uint32_t>(B * 7919 + ctx))),
         seq_dev(seq),
@@ -93,6 +93,7 @@ struct Cell {
     shape.query_len = Q;
     shape.heads = H;
     shape.mode = mode;
+    shape.precision = prec;
   }
 };
 
@@ -112,6 +113,7 @@ bool decode(const DecodeOptions& o) {
   if (const auto env = rank_env_from_env(); env && env->world > 1 && !o.topk_only) return decode_processes(o, *env);
   const KvDtype dt = o.kv_dtype == "fp8" ? KvDtype::kFp8 : KvDtype::kNvfp4;
   const KRounding mode = o.k_rounding == "exact" ? KRounding::kExact : KRounding::kE4m3;
+  const ScorePrecision prec = parse_score_precision(o.score_precision, "--score-precision");
   const int32_t W = o.tp, H = o.heads, Q = o.query_len;
   const int32_t max_req = *std::max_element(o.requests.begin(), o.requests.end());
   const int32_t max_ctx = *std::max_element(o.contexts.begin(), o.contexts.end());
@@ -129,8 +131,9 @@ bool decode(const DecodeOptions& o) {
               dev.copy_bandwidth_gbs(), dev.fp8_tflops());
   std::printf("graph launch (a graph of one empty kernel, timed as every cell; part of each median): %.1f us\n",
               dev.graph_launch_us());
-  std::printf("%s: TP%d simulated on one GPU, rank 0 timed, Q = %d, H = %d, %s (%s rounding), K = 16\n",
-              o.topk_only ? "top-k selection" : "decode indexer", W, Q, H, o.kv_dtype.c_str(), o.k_rounding.c_str());
+  std::printf("%s: TP%d simulated on one GPU, rank 0 timed, Q = %d, H = %d, %s (%s rounding), %s scores, K = 16\n",
+              o.topk_only ? "top-k selection" : "decode indexer", W, Q, H, o.kv_dtype.c_str(), o.k_rounding.c_str(),
+              o.score_precision.c_str());
   std::printf("%-5s %-4s %-7s %-24s %10s %10s %9s %8s %s\n", "P", "reqs", "context", "variant", "median us", "MB read",
               "floor us", "of floor", "sel==repl");
   int cells = 0;
@@ -144,7 +147,7 @@ bool decode(const DecodeOptions& o) {
     if (!pdir.empty()) dump_pool(pdir, *L);
     for (const int32_t B : o.requests)
       for (const int32_t ctx : o.contexts) {
-        const Cell cell(*L, B, ctx, Q, H, mode);
+        const Cell cell(*L, B, ctx, Q, H, mode, prec);
         const std::vector<int32_t>& seq = cell.seq;
         const std::vector<uint8_t>& qh = cell.qh;
         const DecodeBatch& b = cell.b;
@@ -165,6 +168,23 @@ bool decode(const DecodeOptions& o) {
         const auto h_rep = o_rep.host();
         const bool eq_gen = h_rep == o_icp.host();
         const bool eq_stk = !icp_stock || h_rep == o_stk.host();
+        // fp8_mma: the share of (row, head) selections that differ from the fp32 mode's
+        double differ_fp32 = -1;
+        if (prec != ScorePrecision::kFp32) {
+          cuda::DecodeShape s32 = shape;
+          s32.precision = ScorePrecision::kFp32;
+          DeviceBuffer<int32_t> o32(nsel);
+          cuda::DecodeStep(std::vector<const cuda::DeviceCache*>{L->repl.get()}, W, 0, s32, cuda::DecodePath::kReplicated)
+              .run(b, o32.get(), sst);
+          ck(cudaStreamSynchronize(st), "cudaStreamSynchronize");
+          const auto h32 = o32.host();
+          const int64_t lists = static_cast<int64_t>(nsel) / shape.sel.topk;
+          int64_t differ = 0;
+          for (int64_t i = 0; i < lists; ++i)
+            differ += !std::equal(h_rep.begin() + i * shape.sel.topk, h_rep.begin() + (i + 1) * shape.sel.topk,
+                                  h32.begin() + i * shape.sel.topk);
+          differ_fp32 = static_cast<double>(differ) / static_cast<double>(lists);
+        }
         if (!pdir.empty()) {
           const std::string cdir = pdir + "/B" + std::to_string(B) + "_ctx" + std::to_string(ctx);
           mkdirs(cdir);
@@ -231,10 +251,11 @@ bool decode(const DecodeOptions& o) {
           const double floor_us = v.bytes / (dev.copy_bandwidth_gbs() * 1e3);
           json j = {{"variant", v.name}, {"tp", W}, {"page_size", P}, {"requests", B}, {"context", ctx}, {"query_len", Q},
                     {"heads", H}, {"owned_heads", nh}, {"kv_dtype", o.kv_dtype}, {"k_rounding", o.k_rounding},
-                    {"bytes_read", v.bytes}, {"floor_us", floor_us},
+                    {"score_precision", o.score_precision}, {"bytes_read", v.bytes}, {"floor_us", floor_us},
                     {"bandwidth_fraction", v.bytes ? floor_us / c.median : 0.0},
                     {"selections_equal_replicated", v.eq}};
           j.update(timing_fields(c));
+          if (differ_fp32 >= 0) j["selections_differing_from_fp32"] = differ_fp32;
           if ((v.name == "icp_general" || v.name == "icp_stock") && rep_us > 0) j["ratio_to_replicated_stock"] = c.median / rep_us;
           results.push_back(j);
           std::printf("%-5d %-4d %-7d %-24s %10.1f %10.1f %9.1f %7.1f%% %s%s\n", P, B, ctx, v.name.c_str(), c.median,
@@ -301,6 +322,7 @@ bool decode_processes(const DecodeOptions& o, const RankEnv& env) {
   auto comm = nccl::make_communicator(env);  // also makes env.device the current device
   const KvDtype dt = o.kv_dtype == "fp8" ? KvDtype::kFp8 : KvDtype::kNvfp4;
   const KRounding mode = o.k_rounding == "exact" ? KRounding::kExact : KRounding::kE4m3;
+  const ScorePrecision prec = parse_score_precision(o.score_precision, "--score-precision");
   const int32_t W = o.tp, H = o.heads, Q = o.query_len, r = env.rank;
   const bool lead = r == 0;
   const int32_t max_req = *std::max_element(o.requests.begin(), o.requests.end());
@@ -325,7 +347,7 @@ bool decode_processes(const DecodeOptions& o, const RankEnv& env) {
     const cuda::DeviceCache& shard = *L->shards.at(0);
     for (const int32_t B : o.requests)
       for (const int32_t ctx : o.contexts) {
-        const Cell cell(*L, B, ctx, Q, H, mode);
+        const Cell cell(*L, B, ctx, Q, H, mode, prec);
         const std::vector<int32_t>& seq = cell.seq;
         const DecodeBatch& b = cell.b;
         const cuda::DecodeShape& shape = cell.shape;
@@ -335,7 +357,7 @@ bool decode_processes(const DecodeOptions& o, const RankEnv& env) {
         cuda::DecodeStep rep({L->repl.get()}, W, 0, shape, cuda::DecodePath::kReplicated);
         DeviceBuffer<int32_t> o_rep(static_cast<size_t>(rows * H * K)), o_icp(static_cast<size_t>(rows * nh * K));
         rep.run(b, o_rep.get(), sst);
-        cuda::icp_decode(*comm, shard, 0, b, sel, mode, o_icp.get(), sst, false);
+        cuda::icp_decode(*comm, shard, 0, b, sel, mode, o_icp.get(), sst, false, true, prec);
         comm->synchronize(st);
         const auto h_rep = o_rep.host(), h_icp = o_icp.host();
         bool eq = true;
@@ -351,7 +373,7 @@ bool decode_processes(const DecodeOptions& o, const RankEnv& env) {
           rep.enqueue_score(r, b, sst);
           rep.enqueue_select(r, b, o_rep.get(), sst);
         }));
-        Graph g_icp(dev.capture([&] { cuda::icp_decode(*comm, shard, 0, b, sel, mode, o_icp.get(), sst, false); }));
+        Graph g_icp(dev.capture([&] { cuda::icp_decode(*comm, shard, 0, b, sel, mode, o_icp.get(), sst, false, true, prec); }));
         Graph g_x(dev.capture([&] { comm->all_gather(xs.get(), xr.get(), xbytes, sst); }));
         struct V {
           const char* name;

@@ -37,6 +37,10 @@ void validate(const DecodeOptions& o) {
   check_run(o.run);
   check_dtype(o.kv_dtype, "--kv-dtype");
   INDEXCP_REQUIRE(o.k_rounding == "e4m3" || o.k_rounding == "exact", "--k-rounding = " + o.k_rounding + " is not one of e4m3, exact");
+  INDEXCP_REQUIRE(o.score_precision == "fp32" || o.score_precision == "fp8_mma",
+                  "--score-precision = " + o.score_precision + " is not one of fp32, fp8_mma");
+  INDEXCP_REQUIRE(!(o.score_precision == "fp8_mma" && o.kv_dtype == "nvfp4" && o.k_rounding == "exact"),
+                  "--score-precision fp8_mma with --kv-dtype nvfp4 needs --k-rounding e4m3 (the mode multiplies E4M3 keys)");
   check_tp_heads(o.tp, o.heads);
   check_query_len(o.query_len);
   INDEXCP_REQUIRE(!o.requests.empty() && !o.contexts.empty() && !o.pages.empty(), "--requests, --contexts and --pages need values");

@@ -72,6 +72,11 @@ CLI::App* BenchCommand::add(CLI::App& app) {
     c->add_option("--query-len", o.query_len, "queries per request (Q)")->check(CLI::Range(1, 16))->capture_default_str();
     c->add_option("--kv-dtype", o.kv_dtype, "index cache dtype")->check(CLI::IsMember({"nvfp4", "fp8"}))->capture_default_str();
     c->add_option("--k-rounding", o.k_rounding, "NVFP4 K rounding")->check(CLI::IsMember({"e4m3", "exact"}))->capture_default_str();
+    c->add_option("--score-precision", o.score_precision,
+                  "indexer_score_precision: fp32, or fp8_mma (FP8 tensor cores; each cell also reports the share of "
+                  "(row, head) selections that differ from the fp32 mode)")
+        ->check(CLI::IsMember({"fp32", "fp8_mma"}))
+        ->capture_default_str();
     if (!topk)
       c->add_option("--dump", o.dump,
                     "write the replicated pages, block table, q and selections under DIR (input of bench/torch/baseline.py)")

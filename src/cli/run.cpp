@@ -46,7 +46,7 @@ using json = nlohmann::json;
 
 std::string combo_name(const Combo& c) {
   return to_string(c.dtype) + " P" + std::to_string(c.P) + " TP" + std::to_string(c.W) + " sharding " +
-         (c.on ? "on" : "off");
+         (c.on ? "on" : "off") + (c.prec == ScorePrecision::kFp8Mma ? " fp8_mma" : "");
 }
 
 namespace {
@@ -176,6 +176,10 @@ RunOptions checked_options(const RunOptions& opts) {
   o.page_sizes = unique_in_order(o.page_sizes);
   o.tps = unique_in_order(o.tps);
   o.shardings = unique_in_order(o.shardings);
+  o.score_precisions = unique_in_order(o.score_precisions);
+  // fp32 first: each fp8_mma run is compared with the fp32 run of its kv_dtype
+  std::stable_sort(o.score_precisions.begin(), o.score_precisions.end(),
+                   [](const std::string& a, const std::string& b) { return a == "fp32" && b != "fp32"; });
   if (!o.json_path.empty()) check_output_path(o.json_path, "--json");
   // validate the options that the parser cannot
   if (o.steps < 0) bad("--steps = " + std::to_string(o.steps) + " must be >= 0");
@@ -184,8 +188,8 @@ RunOptions checked_options(const RunOptions& opts) {
   if (o.query_len < 1 || o.query_len > 16) bad("--query-len = " + std::to_string(o.query_len) + " is out of range 1..16");
   if (o.layers < 1 || o.layers > 64) bad("--layers = " + std::to_string(o.layers) + " is out of range 1..64");
   if (o.topk < 2 || o.topk > 1024) bad("--topk = " + std::to_string(o.topk) + " is out of range 2..1024");
-  if (o.kv_dtypes.empty() || o.page_sizes.empty() || o.tps.empty() || o.shardings.empty())
-    bad("--kv-dtype, --page-size, --tp and --sharding each need at least one value");
+  if (o.kv_dtypes.empty() || o.page_sizes.empty() || o.tps.empty() || o.shardings.empty() || o.score_precisions.empty())
+    bad("--kv-dtype, --page-size, --tp, --sharding and --score-precision each need at least one value");
   if (o.synthetic && (!o.keys_file.empty() || !o.queries_file.empty() || !o.data_dir.empty()))
     bad("--synthetic cannot be combined with --data, --keys or --queries");
   if (o.keys_file.empty() != o.queries_file.empty()) bad("--keys and --queries go together");
@@ -244,12 +248,14 @@ void probe_backend(const RunOptions& o, const RunPlace& place) {
 // 4. The grid: kv dtypes x page sizes x TP x sharding.
 struct Grid {
   std::vector<KvDtype> dtypes;
+  std::vector<ScorePrecision> precs;
   bool want_off = false, want_on = false;
 };
 
 Grid parse_grid(const RunOptions& o) {
   Grid g;
   for (const auto& s : o.kv_dtypes) g.dtypes.push_back(parse_kv_dtype(s, "--kv-dtype"));
+  for (const auto& s : o.score_precisions) g.precs.push_back(parse_score_precision(s, "--score-precision"));
   for (const auto& s : o.shardings) {
     if (s == "off") g.want_off = true;
     else if (s == "on") g.want_on = true;
@@ -277,6 +283,7 @@ std::vector<Planned> plan_runs(const RunOptions& o, const Grid& g, const Workloa
   const std::vector<KvDtype>& dts = g.dtypes;
   const bool want_off = g.want_off, want_on = g.want_on;
   for (KvDtype dt : dts)
+   for (ScorePrecision prec : g.precs)
     for (int32_t P : o.page_sizes)
       for (int32_t W : o.tps) {
         EngineParams ep;
@@ -286,6 +293,7 @@ std::vector<Planned> plan_runs(const RunOptions& o, const Grid& g, const Workloa
         ep.query_len = w.Q;
         AttentionConfig off;
         off.kv_dtype = dt;
+        off.score_precision = prec;
         ResolvedConfig rc_off;
         try {
           check_heads_tp(w.H, W);
@@ -294,7 +302,8 @@ std::vector<Planned> plan_runs(const RunOptions& o, const Grid& g, const Workloa
           for (bool on : {false, true})
             if ((on && want_on) || (!on && want_off))
               skipped.push_back({{"kv_dtype", to_string(dt)}, {"page_size", P}, {"tp", W},
-                                 {"sharding", on ? "on" : "off"}, {"reason", e.what()}});
+                                 {"sharding", on ? "on" : "off"}, {"score_precision", to_string(prec)},
+                                 {"reason", e.what()}});
           continue;
         }
         std::optional<ResolvedConfig> rc_on;
@@ -305,12 +314,12 @@ std::vector<Planned> plan_runs(const RunOptions& o, const Grid& g, const Workloa
             rc_on = resolve_config(on, ep);
           } catch (const Error& e) {
             skipped.push_back({{"kv_dtype", to_string(dt)}, {"page_size", P}, {"tp", W}, {"sharding", "on"},
-                               {"reason", e.what()}});
+                               {"score_precision", to_string(prec)}, {"reason", e.what()}});
           }
         }
         if (!want_off && !rc_on) continue;
-        plan.push_back({{dt, P, W, false}, rc_off, want_off});
-        if (rc_on) plan.push_back({{dt, P, W, true}, *rc_on, true});
+        plan.push_back({{dt, P, W, false, prec}, rc_off, want_off});
+        if (rc_on) plan.push_back({{dt, P, W, true, prec}, *rc_on, true});
       }
   if (plan.empty()) {
     std::string why = "the policy refuses every requested combination";
@@ -356,7 +365,8 @@ void run_layers(const RunOptions& o, const std::vector<Planned>& plan, int32_t r
       progress(lname + "fp32 reference selections: " + fmt("%.1f s", now_s() - t));
     }
     const std::size_t per_row = static_cast<std::size_t>(w.H) * w.K;
-    std::map<int, std::vector<int32_t>> first_off;  // dtype -> the first replicated run's selections
+    // (dtype, precision) -> the first replicated run's selections
+    std::map<std::pair<int, int>, std::vector<int32_t>> first_off;
     std::vector<int32_t> last_off;
     std::string last_off_name;
     for (int i = 0; i < n_runs; ++i) {
@@ -371,15 +381,17 @@ void run_layers(const RunOptions& o, const std::vector<Planned>& plan, int32_t r
       bool equal;
       std::string vs;
       if (!p.combo.on) {
-        auto it = first_off.find(static_cast<int>(p.combo.dtype));
-        if (it == first_off.end()) it = first_off.emplace(static_cast<int>(p.combo.dtype), rr.sel).first;
+        const std::pair<int, int> key{static_cast<int>(p.combo.dtype), static_cast<int>(p.combo.prec)};
+        auto it = first_off.find(key);
+        if (it == first_off.end()) it = first_off.emplace(key, rr.sel).first;
         equal = it->second == rr.sel;
-        vs = "the first sharding-off run of this kv_dtype (replicated selections do not depend on P or TP)";
+        vs = "the first sharding-off run of this kv_dtype and score precision (replicated selections do not "
+             "depend on P or TP)";
         last_off = rr.sel;
         last_off_name = combo_name(p.combo);
       } else {
         equal = last_off == rr.sel;
-        vs = "sharding off at the same kv_dtype, page size and TP (every prefill and decode step)";
+        vs = "sharding off at the same kv_dtype, score precision, page size and TP (every prefill and decode step)";
         if (!equal) {
           const auto d = first_difference(rr.sel.data(), last_off.data(), w.rows_total, w.H, w.K);
           progress("MISMATCH " + combo_name(p.combo) + " vs " + last_off_name + ": " +
@@ -396,6 +408,16 @@ void run_layers(const RunOptions& o, const std::vector<Planned>& plan, int32_t r
           r.recall_per_head[h] += selection_recall(w.reference.data() + off, rr.sel.data() + off, w.K) /
                                   static_cast<double>(w.rows_total) / o.layers;
         }
+      if (p.combo.prec == ScorePrecision::kFp8Mma) {
+        const auto f = first_off.find({static_cast<int>(p.combo.dtype), static_cast<int>(ScorePrecision::kFp32)});
+        if (f != first_off.end()) {
+          int64_t differ = 0;
+          for (int64_t rh = 0; rh < w.rows_total * w.H; ++rh)
+            differ += !std::equal(rr.sel.begin() + rh * w.K, rr.sel.begin() + (rh + 1) * w.K, f->second.begin() + rh * w.K);
+          r.differs_from_fp32 = std::max(0.0, r.differs_from_fp32) +
+                                static_cast<double>(differ) / static_cast<double>(w.rows_total * w.H) / o.layers;
+        }
+      }
       r.insert_us += rr.insert_us / o.layers;
       r.prefill_us += rr.prefill_us / o.layers;
       r.decode_us += (w.S ? rr.decode_us / w.S : 0.0) / o.layers;
@@ -419,7 +441,8 @@ void write_rank_report(const RunPlace& place, const json& report) {
                {"configs", json::array()}};
     for (const auto& c : configs)
       rr["configs"].push_back({{"kv_dtype", c["kv_dtype"]}, {"page_size", c["page_size"]}, {"tp", c["tp"]},
-                               {"sharding", c["sharding"]}, {"selections_equal_replicated", c["selections_equal_replicated"]},
+                               {"sharding", c["sharding"]}, {"score_precision", c["score_precision"]},
+                               {"selections_equal_replicated", c["selections_equal_replicated"]},
                                {"us_per_layer_per_rank", c["us_per_layer_per_rank"]},
                                {"prefill_us_per_layer_per_rank", c["prefill_us_per_layer_per_rank"]}});
     write_file_atomic(std::string(dir) + "/rank" + std::to_string(place.rank) + ".json", detail::dump_text(rr) + "\n");
@@ -547,6 +570,13 @@ class RunCommand final : public Subcommand {
     run->add_option("--sharding", ro.shardings, "index cache sharding")
         ->delimiter(',')
         ->check(CLI::IsMember({"off", "on"}))
+        ->capture_default_str();
+    run->add_option("--score-precision", ro.score_precisions,
+                    "indexer_score_precision values: fp32 (default) and/or the opt-in fp8_mma (FP8 tensor cores on "
+                    "the cuda backend; the cpu backend computes exact scores); fp8_mma rows report the share of "
+                    "(row, head) selections that differ from fp32")
+        ->delimiter(',')
+        ->check(CLI::IsMember({"fp32", "fp8_mma"}))
         ->capture_default_str();
     run->add_option("--capacity-budget-gib", ro.capacity_budget_gib,
                     "memory budget per rank for the report's capacity section (minimax-m3, TP2 P128, NVFP4); "

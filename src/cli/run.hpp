@@ -35,6 +35,7 @@ struct RunOptions {
   std::vector<int32_t> tps = {2, 4};
   bool tps_given = false;           ///< --tp was on the command line (under `indexcp launch` it must be the group's W)
   std::vector<std::string> shardings = {"off", "on"};
+  std::vector<std::string> score_precisions = {"fp32"};  ///< indexer_score_precision values to run
   double capacity_budget_gib = 100.0;
   std::string json_path;
   bool quiet = false;
@@ -97,6 +98,7 @@ struct Combo {
   KvDtype dtype;
   int32_t P, W;
   bool on;
+  ScorePrecision prec = ScorePrecision::kFp32;
 };
 std::string combo_name(const Combo& c);
 
@@ -106,6 +108,9 @@ struct ConfigReport {
   bool equal = true;
   std::string compared_with;
   std::vector<double> recall_per_head;
+  /// fp8_mma runs: the fraction of (row, head) selections that differ from the fp32 mode's
+  /// replicated run of the same kv_dtype (mean over layers); -1 when no fp32 run of it ran
+  double differs_from_fp32 = -1;
   double insert_us = 0, prefill_us = 0, decode_us = 0;
   int64_t decode_bytes = 0, gather_reserved = 0, cache_bytes = 0, num_pages = 0;
   std::string decode_timing, prefill_timing;

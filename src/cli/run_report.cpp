@@ -54,6 +54,9 @@ json run_report(const RunOptions& o, const Data& data, const Workload& w, const 
                        {"page_size", r.combo.P},
                        {"tp", r.combo.W},
                        {"sharding", r.combo.on ? "on" : "off"},
+                       {"score_precision", to_string(r.combo.prec)},
+                       {"selections_differing_from_fp32",
+                        r.differs_from_fp32 < 0 ? json(nullptr) : json(r.differs_from_fp32)},
                        {"bytes_per_token_per_layer_per_rank", r.rc.index_bytes_per_token_per_layer_per_rank},
                        {"selections_equal_replicated", r.equal},
                        {"compared_with", r.compared_with},
@@ -125,6 +128,9 @@ json run_report(const RunOptions& o, const Data& data, const Workload& w, const 
          "|fp32-reference blocks ∩ selected blocks| / |fp32-reference blocks| per (row, head), the forced local "
          "block included, averaged over all prefill and decode rows, then over heads; the reference scores blocks "
          "by max over tokens of dot(q, k) in double from the unquantized fp32 keys and queries"},
+        {"selections_differing_from_fp32",
+         "fp8_mma runs: the share of (row, head) selections, over every prefill and decode row, whose block lists "
+         "differ from the fp32 mode's replicated run of the same kv_dtype (null: fp32 mode, or no fp32 run)"},
         {"selections_equal_replicated",
          "sharding on: bit-for-bit equal to the sharding-off run of the same kv_dtype, page size and TP on every "
          "prefill and decode step; sharding off: equal to the first sharding-off run of the same kv_dtype"}}},
@@ -161,19 +167,37 @@ std::string run_table(const RunOptions& o, const Data& data, const Workload& w, 
   os << "  per request: " << w.ctx0 << " tokens inserted directly, a " << w.pt
      << "-token prefill chunk (gather mode when sharded), " << plural(w.S, " decode step", " decode steps") << " x "
      << plural(w.Q, " query", " queries") << "; H = " << w.H << ", top-" << w.K << "\n\n";
-  char line[256];
-  std::snprintf(line, sizeof line, "%-8s %5s %3s %-8s %12s %10s %9s %14s %14s\n", "kv_dtype", "P", "TP", "sharding",
+  char line[320];
+  // the precision columns only when an fp8_mma run is in the table
+  bool any_fp8 = false;
+  for (const auto& c : configs) any_fp8 = any_fp8 || c["score_precision"] == "fp8_mma";
+  std::snprintf(line, sizeof line, "%-8s %5s %3s %-8s %12s %10s %9s %14s %14s", "kv_dtype", "P", "TP", "sharding",
                 "B/token/rank", "sel==repl", "recall", "decode us/rank", "prefill us/rank");
   os << line;
+  if (any_fp8) {
+    std::snprintf(line, sizeof line, " %-9s %9s", "precision", "!=fp32");
+    os << line;
+  }
+  os << "\n";
   for (const auto& c : configs) {
-    std::snprintf(line, sizeof line, "%-8s %5d %3d %-8s %12lld %10s %9.4f %14.0f %14.0f\n",
+    std::snprintf(line, sizeof line, "%-8s %5d %3d %-8s %12lld %10s %9.4f %14.0f %14.0f",
                   c["kv_dtype"].get<std::string>().c_str(), c["page_size"].get<int>(), c["tp"].get<int>(),
                   c["sharding"].get<std::string>().c_str(),
                   static_cast<long long>(c["bytes_per_token_per_layer_per_rank"].get<int64_t>()),
                   c["selections_equal_replicated"].get<bool>() ? "yes" : "NO", c["recall_vs_fp32"].get<double>(),
                   c["us_per_layer_per_rank"].get<double>(), c["prefill_us_per_layer_per_rank"].get<double>());
     os << line;
+    if (any_fp8) {
+      const json& d = c["selections_differing_from_fp32"];
+      const std::string diff = d.is_null() ? "-" : fmt("%.4f", d.get<double>());
+      std::snprintf(line, sizeof line, " %-9s %9s", c["score_precision"].get<std::string>().c_str(), diff.c_str());
+      os << line;
+    }
+    os << "\n";
   }
+  if (any_fp8)
+    os << "!=fp32: share of (row, head) selections that differ from the fp32 mode's (fp8_mma rows; the cpu "
+          "backend computes exact scores in both modes)\n";
   {  // how the times were taken (the same for every configuration of one backend)
     std::string dt, pt;
     for (const auto& c : configs) {
@@ -185,7 +209,8 @@ std::string run_table(const RunOptions& o, const Data& data, const Workload& w, 
   }
   for (const auto& s : out.skipped)
     os << "skipped: " << s["kv_dtype"].get<std::string>() << " P" << s["page_size"].get<int>() << " TP"
-       << s["tp"].get<int>() << " sharding " << s["sharding"].get<std::string>() << ": "
+       << s["tp"].get<int>() << " sharding " << s["sharding"].get<std::string>()
+       << (s.value("score_precision", "fp32") == "fp8_mma" ? " fp8_mma" : "") << ": "
        << s["reason"].get<std::string>() << "\n";
   if (sharded_runs > 0) {
     os << "\nsharded selections " << (all_equal ? "equal" : "DIFFER FROM") << " the replicated ones"

@@ -63,6 +63,11 @@ AttentionConfig AttentionConfig::from_json(const std::string& text) {
       if (s == "e4m3") c.k_rounding = KRounding::kE4m3;
       else if (s == "exact") c.k_rounding = KRounding::kExact;
       else bad(k, v, "use \"e4m3\" or \"exact\"");
+    } else if (k == "indexer_score_precision") {
+      const std::string s = need_string(k, v, "use \"fp32\" or \"fp8_mma\"");
+      if (s == "fp32") c.score_precision = ScorePrecision::kFp32;
+      else if (s == "fp8_mma") c.score_precision = ScorePrecision::kFp8Mma;
+      else bad(k, v, "use \"fp32\" or \"fp8_mma\"");
     } else if (k == "indexer_prefill_gather_budget_mib") {
       const std::string use = "use an integer number of MiB in 1.." + std::to_string(kMaxGatherBudgetMib);
       if (!v.is_number_integer()) bad(k, v, use);
@@ -74,7 +79,7 @@ AttentionConfig AttentionConfig::from_json(const std::string& text) {
                   "attention config: unknown key \"" + (k.size() > 64 ? k.substr(0, 64) + "..." : k) +
                       "\"; known keys are indexer_kv_dtype, indexer_cache_sharding, "
                       "indexer_prefill_cp, indexer_decode_cp, indexer_k_rounding, "
-                      "indexer_prefill_gather_budget_mib");
+                      "indexer_prefill_gather_budget_mib, indexer_score_precision");
     }
   }
   return c;
@@ -86,7 +91,8 @@ static json config_json(const AttentionConfig& c) {
               {"indexer_prefill_cp", to_string(c.prefill_cp)},
               {"indexer_decode_cp", c.decode_cp},
               {"indexer_k_rounding", to_string(c.k_rounding)},
-              {"indexer_prefill_gather_budget_mib", c.prefill_gather_budget_mib}};
+              {"indexer_prefill_gather_budget_mib", c.prefill_gather_budget_mib},
+              {"indexer_score_precision", to_string(c.score_precision)}};
 }
 
 std::string AttentionConfig::to_json() const { return config_json(*this).dump(); }
@@ -111,6 +117,7 @@ ResolvedConfig resolve_config(const AttentionConfig& c, const EngineParams& e) {
   // a hand-built AttentionConfig (from_json checks the same)
   check_kv_dtype(c.kv_dtype, "indexer_kv_dtype");
   check_k_rounding(c.k_rounding, "indexer_k_rounding");
+  check_score_precision(c.score_precision, "indexer_score_precision");
   INDEXCP_REQUIRE(c.prefill_cp == PrefillCp::kGather || c.prefill_cp == PrefillCp::kLocalScore,
                   "indexer_prefill_cp = " + num(static_cast<int>(c.prefill_cp)) + " is not a PrefillCp (kGather or kLocalScore)");
   INDEXCP_REQUIRE(c.prefill_gather_budget_mib >= 1 && c.prefill_gather_budget_mib <= kMaxGatherBudgetMib,
@@ -123,7 +130,20 @@ ResolvedConfig resolve_config(const AttentionConfig& c, const EngineParams& e) {
   r.kv_dtype = c.kv_dtype;
   r.prefill_cp = c.prefill_cp;
   r.k_rounding = c.k_rounding;
+  r.score_precision = c.score_precision;
   r.prefill_gather_budget_bytes = c.prefill_gather_budget_mib << 20;
+  // rule 7: FP8 tensor cores multiply E4M3 values only
+  if (c.score_precision == ScorePrecision::kFp8Mma && c.kv_dtype == KvDtype::kBf16)
+    throw Error(ErrorCode::kUnsupported,
+                "indexer_score_precision = \"fp8_mma\" with indexer_kv_dtype = \"bf16\" is not supported; "
+                "the mode needs E4M3 keys: indexer_kv_dtype \"fp8\", or \"nvfp4\" with indexer_k_rounding "
+                "\"e4m3\" (or indexer_score_precision \"fp32\")");
+  if (c.score_precision == ScorePrecision::kFp8Mma && c.kv_dtype == KvDtype::kNvfp4 &&
+      c.k_rounding == KRounding::kExact)
+    throw Error(ErrorCode::kUnsupported,
+                "indexer_score_precision = \"fp8_mma\" with indexer_kv_dtype = \"nvfp4\" and indexer_k_rounding = "
+                "\"exact\" is not supported; exact k_hat values are not E4M3: use indexer_k_rounding \"e4m3\", "
+                "or indexer_score_precision \"fp32\"");
   if (c.kv_dtype != KvDtype::kNvfp4 && c.k_rounding == KRounding::kExact)
     r.notes.push_back("indexer_k_rounding = \"exact\" has no effect on a " + to_string(c.kv_dtype) +
                       " cache");
@@ -203,6 +223,8 @@ void check_resolved_config(const ResolvedConfig& c) {
   if (c.decode_cp != r.decode_cp) differs("decode_cp", b(c.decode_cp), b(r.decode_cp));
   if (static_cast<int>(c.k_rounding) != static_cast<int>(r.k_rounding))
     differs("k_rounding", e(c.k_rounding, 0, 1), to_string(r.k_rounding));
+  if (static_cast<int>(c.score_precision) != static_cast<int>(r.score_precision))
+    differs("score_precision", e(c.score_precision, 0, 1), to_string(r.score_precision));
   if (c.prefill_gather_budget_bytes != r.prefill_gather_budget_bytes)
     differs("prefill_gather_budget_bytes", i(c.prefill_gather_budget_bytes), i(r.prefill_gather_budget_bytes));
   if (c.index_bytes_per_token_per_layer_per_rank != r.index_bytes_per_token_per_layer_per_rank)
@@ -216,11 +238,11 @@ namespace {
 
 // "icpa" and the record's version: a rank of another build (another field list) is refused as such
 constexpr int64_t kRankAgreementMagic = 0x69637061;
-constexpr int64_t kRankAgreementVersion = (kRankAgreementMagic << 32) | 1;
+constexpr int64_t kRankAgreementVersion = (kRankAgreementMagic << 32) | 2;  // 2: indexer_score_precision
 constexpr const char* kRankAgreementNames[RankAgreement::kFieldsUsed] = {
     "the agreement record's version", "tp", "page_size", "indexer_kv_dtype", "indexer_cache_sharding (effective)",
     "indexer_decode_cp (effective)", "indexer_prefill_cp", "indexer_k_rounding", "indexer_prefill_gather_budget_mib",
-    "num_pages (index cache pages per rank)"};
+    "num_pages (index cache pages per rank)", "indexer_score_precision"};
 
 // field f's value as the user set it: an enum by name, a switch as on / off; a setting that does
 // not apply to the rank's configuration was stored as 0 and reads "n/a" where 0 is not a value
@@ -234,6 +256,7 @@ std::string agreement_value(int f, int64_t v, const RankAgreement& r) {
     case 6: return !sharded ? "n/a (sharding off)" : in(0, 1) ? to_string(static_cast<PrefillCp>(v)) : std::to_string(v);
     case 7: return !nvfp4 ? "n/a (not nvfp4)" : in(0, 1) ? to_string(static_cast<KRounding>(v)) : std::to_string(v);
     case 8: return v == 0 ? "n/a (no gather prefill)" : std::to_string(v);
+    case 10: return in(0, 1) ? to_string(static_cast<ScorePrecision>(v)) : std::to_string(v);
     default: return std::to_string(v);
   }
 }
@@ -255,6 +278,7 @@ RankAgreement rank_agreement(const ResolvedConfig& c, int64_t num_pages) {
   r.v[7] = c.kv_dtype == KvDtype::kNvfp4 ? static_cast<int64_t>(c.k_rounding) : 0;
   r.v[8] = c.sharding && c.prefill_cp == PrefillCp::kGather ? c.prefill_gather_budget_bytes >> 20 : 0;
   r.v[9] = num_pages;
+  r.v[10] = static_cast<int64_t>(c.score_precision);
   return r;
 }
 

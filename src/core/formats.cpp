@@ -26,6 +26,20 @@ void check_k_rounding(KRounding r, const std::string& what) {
   INDEXCP_REQUIRE(v == 0 || v == 1, what + " = " + std::to_string(v) + " is not a KRounding (kE4m3 or kExact)");
 }
 
+std::string to_string(ScorePrecision p) { return p == ScorePrecision::kFp32 ? "fp32" : "fp8_mma"; }
+
+void check_score_precision(ScorePrecision p, const std::string& what) {
+  const int v = static_cast<int>(p);
+  INDEXCP_REQUIRE(v == 0 || v == 1, what + " = " + std::to_string(v) + " is not a ScorePrecision (kFp32 or kFp8Mma)");
+}
+
+ScorePrecision parse_score_precision(const std::string& s, const std::string& what) {
+  if (s == "fp32") return ScorePrecision::kFp32;
+  if (s == "fp8_mma") return ScorePrecision::kFp8Mma;
+  throw Error(ErrorCode::kInvalidArgument,
+              what + " = \"" + s + "\" is not supported; use \"fp32\" or \"fp8_mma\"");
+}
+
 KvDtype parse_kv_dtype(const std::string& s, const std::string& what) {
   if (s == "bf16") return KvDtype::kBf16;
   if (s == "fp8") return KvDtype::kFp8;

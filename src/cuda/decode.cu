@@ -26,22 +26,23 @@ using namespace detail;
 // ---- decode ---------------------------------------------------------------------------------
 
 void decode_scores(const CacheView& cache, int32_t layer, const DecodeBatch& batch, int32_t h0, int32_t nh,
-                   KRounding mode, float* out, Stream stream, bool validate) {
+                   KRounding mode, float* out, Stream stream, bool validate, ScorePrecision precision) {
   check_layer(cache, layer);
   check_not_bf16(cache);
   check_decode_shape(batch);
   check_head_range(batch.heads, h0, nh);
-  check_k_rounding(mode, "mode");  // (also in decode_score_launch; here before out is filled)
+  check_score_mode(cache.layout().dtype, mode, precision);  // (also in decode_score_launch; here before out is filled)
   if (validate) validate_decode_batch(batch, cache.num_pages(), cache.layout().page_size, stream);
   const int64_t mb = max_blocks_of(batch.max_pages, cache.layout());
   const int64_t n = batch.rows() * nh * mb;
   INDEXCP_REQUIRE(n == 0 || out != nullptr, "out is null");
   launch_fill_neg_inf(out, n, cs(stream));
-  launch_score(decode_score_launch(cache, layer, batch, h0, nh, mode, out, BlockFilter{}, true), cs(stream));
+  launch_score(decode_score_launch(cache, layer, batch, h0, nh, mode, precision, out, BlockFilter{}, true), cs(stream));
 }
 
 void decode_select(const CacheView& cache, int32_t layer, const DecodeBatch& batch, int32_t h0, int32_t nh,
-                   const SelectionParams& sel, KRounding mode, int32_t* out, Stream stream, bool validate) {
+                   const SelectionParams& sel, KRounding mode, int32_t* out, Stream stream, bool validate,
+                   ScorePrecision precision) {
   sel.validate();
   check_layer(cache, layer);
   check_not_bf16(cache);
@@ -56,12 +57,12 @@ void decode_select(const CacheView& cache, int32_t layer, const DecodeBatch& bat
   const cudaStream_t st = cs(stream);
   const int64_t mb = max_blocks_of(batch.max_pages, cache.layout());
   Tmp<float> scores(static_cast<size_t>(rows) * nh * mb, st);
-  launch_score(decode_score_launch(cache, layer, batch, h0, nh, mode, scores.get(), BlockFilter{}, true), st);
+  launch_score(decode_score_launch(cache, layer, batch, h0, nh, mode, precision, scores.get(), BlockFilter{}, true), st);
   launch_select(select_launch(decode_rows_view(batch), scores.get(), mb, nh, sel, out, nh, 0), st);
 }
 
 void prefill_select(const CacheView& cache, int32_t layer, const PrefillBatch& batch, int32_t h0, int32_t nh,
-                    const SelectionParams& sel, int32_t* out, Stream stream) {
+                    const SelectionParams& sel, int32_t* out, Stream stream, ScorePrecision precision) {
   sel.validate();
   check_layer(cache, layer);
   check_not_bf16(cache);
@@ -75,14 +76,16 @@ void prefill_select(const CacheView& cache, int32_t layer, const PrefillBatch& b
   const cudaStream_t st = cs(stream);
   const int64_t mb = max_blocks_of(batch.max_pages, cache.layout());
   Tmp<float> scores(static_cast<size_t>(rows) * nh * mb, st);
-  const ScoreLaunch sl = prefill_score_launch(cache, layer, batch, rows, hp.max_rows_per_request, h0, nh, scores.get());
+  const ScoreLaunch sl = prefill_score_launch(cache, layer, batch, rows, hp.max_rows_per_request, h0, nh, precision,
+                                              scores.get());
   launch_score(sl, st);
   launch_select(select_launch(sl.rows, scores.get(), mb, nh, sel, out, nh, 0), st);
   check(cudaStreamSynchronize(st), "cudaStreamSynchronize (prefill_select)");
 }
 
 void prefill_scores(const CacheView& cache, int32_t layer, const PrefillBatch& batch, int64_t rows,
-                    int32_t max_rows_per_request, int32_t h0, int32_t nh, float* out, Stream stream) {
+                    int32_t max_rows_per_request, int32_t h0, int32_t nh, float* out, Stream stream,
+                    ScorePrecision precision) {
   check_layer(cache, layer);
   check_not_bf16(cache);
   INDEXCP_REQUIRE(cache.layout().shards == 1, "cache is sharded (shards = " + std::to_string(cache.layout().shards) +
@@ -96,7 +99,7 @@ void prefill_scores(const CacheView& cache, int32_t layer, const PrefillBatch& b
   INDEXCP_REQUIRE(out != nullptr && batch.q != nullptr && batch.query_start != nullptr && batch.seq_lens != nullptr &&
                       batch.block_table != nullptr,
                   "out or a batch pointer is null");
-  const ScoreLaunch sl = prefill_score_launch(cache, layer, batch, rows, max_rows_per_request, h0, nh, out);
+  const ScoreLaunch sl = prefill_score_launch(cache, layer, batch, rows, max_rows_per_request, h0, nh, precision, out);
   launch_fill_neg_inf(out, rows * nh * sl.max_blocks, cs(stream));
   launch_score(sl, cs(stream));
 }
@@ -155,7 +158,7 @@ void run_decode_plan(const DecodeSpec& spec, Communicator& comm, const CacheView
 
 void icp_decode(Communicator& comm, const CacheView& shard, int32_t layer, const DecodeBatch& batch,
                 const SelectionParams& sel, KRounding mode, int32_t* out, Stream stream, bool validate,
-                bool p256_stock) {
+                bool p256_stock, ScorePrecision precision) {
   check_collective_decode(comm, shard, true, layer, batch, sel, out, validate, stream);
   DecodeSpec sp;
   sp.path = DecodePath::kIcp;
@@ -163,13 +166,15 @@ void icp_decode(Communicator& comm, const CacheView& shard, int32_t layer, const
   sp.rank = comm.rank();
   sp.layout = shard.layout();
   sp.mode = mode;
+  sp.precision = precision;
   sp.p256_stock = p256_stock;
   sp.limits = limits_of(batch, sel);
   run_decode_plan(sp, comm, shard, layer, batch, out, validate, cs(stream), "icp_decode");
 }
 
 void decode_cp_replicated(Communicator& comm, const CacheView& cache, int32_t layer, const DecodeBatch& batch,
-                          const SelectionParams& sel, KRounding mode, int32_t* out, Stream stream, bool validate) {
+                          const SelectionParams& sel, KRounding mode, int32_t* out, Stream stream, bool validate,
+                          ScorePrecision precision) {
   check_collective_decode(comm, cache, false, layer, batch, sel, out, validate, stream);
   DecodeSpec sp;
   sp.path = DecodePath::kDecodeCp;
@@ -177,6 +182,7 @@ void decode_cp_replicated(Communicator& comm, const CacheView& cache, int32_t la
   sp.rank = comm.rank();
   sp.layout = cache.layout();
   sp.mode = mode;
+  sp.precision = precision;
   sp.limits = limits_of(batch, sel);
   run_decode_plan(sp, comm, cache, layer, batch, out, validate, cs(stream), "decode_cp_replicated");
 }

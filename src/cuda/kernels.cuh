@@ -38,6 +38,7 @@ struct KeySource {
 struct ScoreLaunch {
   KeySource keys;
   KRounding mode = KRounding::kE4m3;  ///< NVFP4 only
+  ScorePrecision precision = ScorePrecision::kFp32;  ///< kFp8Mma: the fp8_mma form (not with kExact)
   bool stock = false;                 ///< use the whole-page (R >= 128) scorer specialization
   RowsView rows;
   const int32_t* block_table = nullptr;
@@ -53,6 +54,17 @@ struct ScoreLaunch {
   /// allocated on the stream when needed
   int32_t* plan = nullptr;
 };
+
+/// The checks of a scorer's mode on keys of `dtype` (Error naming the argument): `mode` and
+/// `precision` are enumerators, and indexer_score_precision "fp8_mma" has E4M3 keys (spec/config.md
+/// section 2, rule 7: not NVFP4 with indexer_k_rounding "exact").
+inline void check_score_mode(KvDtype dtype, KRounding mode, ScorePrecision precision) {
+  check_k_rounding(mode, "mode");
+  check_score_precision(precision, "indexer_score_precision");
+  INDEXCP_REQUIRE(!(precision == ScorePrecision::kFp8Mma && dtype == KvDtype::kNvfp4 && mode == KRounding::kExact),
+                  "indexer_score_precision = \"fp8_mma\" with indexer_k_rounding = \"exact\" is not supported: the "
+                  "mode multiplies E4M3 keys, and exact NVFP4 k_hat values are not (spec/config.md section 2, rule 7)");
+}
 
 /// The scorer: block maxima of q . k_hat over the source's rows (indexer.md sections 2-3, 5.1).
 void launch_score(const ScoreLaunch& s, cudaStream_t stream);

@@ -34,12 +34,13 @@ inline int64_t max_blocks_of(int32_t max_pages, const PageLayout& l) {
 
 // `plan`: ScoreLaunch::plan (null: allocated on the stream when needed).
 inline ScoreLaunch decode_score_launch(const CacheView& c, int32_t layer, const DecodeBatch& b, int32_t h0,
-                                int32_t nh, KRounding mode, float* scores, BlockFilter filter, bool stock,
-                                int32_t* plan = nullptr) {
-  check_k_rounding(mode, "mode");
+                                int32_t nh, KRounding mode, ScorePrecision precision, float* scores,
+                                BlockFilter filter, bool stock, int32_t* plan = nullptr) {
+  check_score_mode(c.layout().dtype, mode, precision);
   ScoreLaunch s;
   s.keys = key_source(c, layer);
   s.mode = mode;
+  s.precision = precision;
   s.stock = stock;
   s.rows = decode_rows_view(b);
   s.block_table = b.block_table;
@@ -68,11 +69,12 @@ inline RowsView prefill_rows_view(const PrefillBatch& b, int64_t rows) {
 // The scorer launch of a prefill on the cache's own keys (E4M3) for heads [h0, h0+nh); `stock`:
 // the whole-page scorer (a replicated cache always); `plan` as decode_score_launch.
 inline ScoreLaunch prefill_score_launch(const CacheView& cache, int32_t layer, const PrefillBatch& batch, int64_t rows,
-                                 int32_t max_rows_per_request, int32_t h0, int32_t nh, float* scores,
-                                 bool stock = true, int32_t* plan = nullptr) {
+                                 int32_t max_rows_per_request, int32_t h0, int32_t nh, ScorePrecision precision,
+                                 float* scores, bool stock = true, int32_t* plan = nullptr) {
   ScoreLaunch sl;
   sl.keys = key_source(cache, layer);
   sl.mode = KRounding::kE4m3;  // prefill always scores E4M3 keys (indexer.md section 2)
+  sl.precision = precision;
   sl.stock = stock;
   sl.rows = prefill_rows_view(batch, rows);
   sl.block_table = batch.block_table;
@@ -92,9 +94,10 @@ inline ScoreLaunch prefill_score_launch(const CacheView& cache, int32_t layer, c
 // the chunk's block table bt_local, into scores [rows, nh, max_blocks].
 inline ScoreLaunch gather_score_launch(const uint8_t* gathered, const PageLayout& gl, int64_t units,
                                        const PrefillBatch& batch, const RowsView& rows, const int32_t* bt_local,
-                                       int32_t max_rows_per_request, int32_t h0, int32_t nh, float* scores,
-                                       int64_t max_blocks, int32_t* plan) {
+                                       int32_t max_rows_per_request, int32_t h0, int32_t nh,
+                                       ScorePrecision precision, float* scores, int64_t max_blocks, int32_t* plan) {
   ScoreLaunch sl;
+  sl.precision = precision;
   sl.keys.base = gathered;
   sl.keys.layout = gl;
   sl.keys.rank = 0;

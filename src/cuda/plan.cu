@@ -125,6 +125,7 @@ DecodeSpec spec_of(const ResolvedConfig& config, int32_t rank, const DecodeLimit
   s.rank = rank;
   s.layout = make_page_layout(config.kv_dtype, config.engine.page_size, config.shards);
   s.mode = config.k_rounding;
+  s.precision = config.score_precision;
   s.p256_stock = config.p256_stock_decode;
   s.limits = limits;
   return s;
@@ -141,7 +142,7 @@ DecodePlan::Impl::Impl(const DecodeSpec& spec) : sp(spec) {
   INDEXCP_REQUIRE(L.query_len >= 1 && L.query_len <= 16,
                   "limits.query_len = " + std::to_string(L.query_len) + " is out of range 1..16");
   refuse_bf16(sp.layout.dtype);
-  check_k_rounding(sp.mode, "mode");
+  check_score_mode(sp.layout.dtype, sp.mode, sp.precision);
   check_table_width(L.max_pages, sp.layout);
   owned_heads(L.heads, sp.world, sp.rank, &h0, &nh);
   if (sp.path == DecodePath::kReplicated) {
@@ -203,7 +204,7 @@ float* DecodePlan::Impl::scores(void* workspace) const { return at<float>(worksp
 
 void DecodePlan::Impl::enqueue_score(const CacheView& cache, int32_t layer, const DeviceDecodeBatch& b, void* workspace,
                                      cudaStream_t st) const {
-  launch_score(decode_score_launch(cache, layer, as_batch(b), score_h0, score_nh, sp.mode, scores(workspace), filter,
+  launch_score(decode_score_launch(cache, layer, as_batch(b), score_h0, score_nh, sp.mode, sp.precision, scores(workspace), filter,
                                    stock, at<int32_t>(workspace, ws.plan)),
                st);
 }
@@ -349,6 +350,8 @@ PrefillPlan::Impl::Impl(const PrefillSpec& sp) {
   m.layout = sp.layout;
   m.limits = limits;
   m.budget = sp.budget;
+  check_score_precision(sp.precision, "indexer_score_precision");
+  m.precision = sp.precision;
   const int32_t rank = sp.rank;
   owned_heads(limits.heads, m.world, rank, &m.h0, &m.nh);
   if (m.path == PrefillPath::kLocalScore) {
@@ -402,6 +405,7 @@ PrefillPlan::PrefillPlan(const ResolvedConfig& config, int32_t rank, const Prefi
   sp.layout = make_page_layout(config.kv_dtype, config.engine.page_size, config.shards);
   sp.limits = limits;
   sp.budget = config.prefill_gather_budget_bytes;
+  sp.precision = config.score_precision;
   impl_ = std::make_unique<Impl>(sp);
   prepare_device();
 }
@@ -494,8 +498,8 @@ void PrefillPlan::Impl::run(const CacheView& cache, int32_t layer, const DeviceP
       launch_stage_fp8(cache.layer_ptr(layer), m.layout, cache.num_pages(), phys, n, staging, st);
       comm->all_gather(staging, gathered, static_cast<size_t>(n) * R * kHeadDim, stream);
       if (e.rows == 0) continue;
-      launch_score(gather_score_launch(gathered, gl, n, d, rv, bt_local, e.max_rows_per_request, m.h0, m.nh, scores,
-                                       m.max_blocks, plan),
+      launch_score(gather_score_launch(gathered, gl, n, d, rv, bt_local, e.max_rows_per_request, m.h0, m.nh, m.precision,
+                                       scores, m.max_blocks, plan),
                    st);
     }
     launch_select(select_launch(rv, scores, m.max_blocks, m.nh, m.limits.sel, out, m.nh, 0), st);
@@ -504,8 +508,8 @@ void PrefillPlan::Impl::run(const CacheView& cache, int32_t layer, const DeviceP
   }
 
   const bool stock = m.path == PrefillPath::kLocalScore ? m.layout.rows() >= kBlockTokens : true;
-  launch_score(prefill_score_launch(cache, layer, d, e.rows, e.max_rows_per_request, m.score_h0, m.score_nh, scores,
-                                    stock, plan),
+  launch_score(prefill_score_launch(cache, layer, d, e.rows, e.max_rows_per_request, m.score_h0, m.score_nh, m.precision,
+                                    scores, stock, plan),
                st);
   if (m.path == PrefillPath::kReplicated) {
     launch_select(select_launch(rv, scores, m.max_blocks, m.nh, m.limits.sel, out, m.nh, 0), st);
@@ -623,6 +627,7 @@ DecodeStep::DecodeStep(std::vector<CacheView> caches, int32_t world, int32_t lay
     s.rank = r;
     s.layout = m.cache_of(r).layout();
     s.mode = shape.mode;
+    s.precision = shape.precision;
     s.p256_stock = p256_stock;
     s.limits.max_requests = shape.max_requests;
     s.limits.max_pages = shape.max_pages;

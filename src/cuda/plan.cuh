@@ -17,6 +17,7 @@ struct DecodeSpec {
   int32_t world = 1, rank = 0;
   PageLayout layout;           ///< the layout of the cache every run is given
   KRounding mode = KRounding::kE4m3;
+  ScorePrecision precision = ScorePrecision::kFp32;  ///< indexer_score_precision
   bool p256_stock = true;      ///< the whole-page scorer at P256 / 2 shards
   DecodeLimits limits;
 };
@@ -65,6 +66,7 @@ struct PrefillSpec {
   PageLayout layout;
   PrefillLimits limits;
   int64_t budget = 0;  ///< indexer_prefill_gather_budget_mib in bytes
+  ScorePrecision precision = ScorePrecision::kFp32;  ///< indexer_score_precision
 };
 
 struct PrefillPlan::Impl {
@@ -74,6 +76,7 @@ struct PrefillPlan::Impl {
   PageLayout layout;
   PrefillLimits limits;
   int64_t budget = 0;
+  ScorePrecision precision = ScorePrecision::kFp32;
   int32_t h0 = 0, nh = 1, score_h0 = 0, score_nh = 1;
   int64_t max_blocks = 0, cap = 0;  // cap: units per chunk (kGather)
   int64_t max_units = 0;             // kGather: the most units of one run

@@ -77,7 +77,8 @@ void run_prefill_plan(const PrefillSpec& spec, Communicator& comm, const CacheVi
 }  // namespace
 
 GatherStats prefill_gather(Communicator& comm, const CacheView& shard, int32_t layer, const PrefillBatch& batch,
-                           const SelectionParams& sel, int64_t budget_bytes, int32_t* out, Stream stream) {
+                           const SelectionParams& sel, int64_t budget_bytes, int32_t* out, Stream stream,
+                           ScorePrecision precision) {
   sel.validate();
   check_layer(shard, layer, "shard");
   check_group(comm, shard, true);
@@ -105,6 +106,7 @@ GatherStats prefill_gather(Communicator& comm, const CacheView& shard, int32_t l
   sp.limits = limits_of(batch, rows, sel);
   sp.limits.max_gather_units = std::max<int64_t>(1, e.gather_units);
   sp.budget = budget_bytes;
+  sp.precision = precision;
   GatherStats gs;
   gs.pages = e.gather_units;
   gs.chunks = e.gather_units > 0 ? (e.gather_units + budget_bytes / unit - 1) / (budget_bytes / unit) : 0;
@@ -115,7 +117,7 @@ GatherStats prefill_gather(Communicator& comm, const CacheView& shard, int32_t l
 }
 
 void prefill_local_score(Communicator& comm, const CacheView& shard, int32_t layer, const PrefillBatch& batch,
-                         const SelectionParams& sel, int32_t* out, Stream stream) {
+                         const SelectionParams& sel, int32_t* out, Stream stream, ScorePrecision precision) {
   sel.validate();
   check_layer(shard, layer, "shard");
   check_not_bf16(shard);
@@ -131,6 +133,7 @@ void prefill_local_score(Communicator& comm, const CacheView& shard, int32_t lay
   sp.rank = comm.rank();
   sp.layout = shard.layout();
   sp.limits = limits_of(batch, rows, sel);
+  sp.precision = precision;
   PrefillExtents e;
   e.rows = rows;
   e.max_rows_per_request = std::max(1, hp.max_rows_per_request);

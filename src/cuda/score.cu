@@ -47,10 +47,13 @@ namespace {
 
 __device__ uint2 g_khat_lut[256];
 
-template <int MODE, int NT, bool STOCK, bool GATHER>
+// M8: the fp8_mma form (indexer_score_precision "fp8_mma"): wgmma m64nNk32 on the E4M3 bytes for
+// every NT in the sm_90a code, so that the one chain of 4 MMAs per tile is the same in every
+// scorer (the compute_90 PTX, without wgmma, multiplies them with mma.sync.m16n8k32).
+template <int MODE, int NT, bool STOCK, bool GATHER, bool M8>
 __global__ void __launch_bounds__(warps_of<MODE>() * 32, minb_of<MODE>()) score_kernel(const ScoreArgs a) {
   constexpr int kWarps = warps_of<MODE>(), kThreads = kWarps * 32;
-  constexpr bool WG = kWgmmaTiles<NT>;
+  constexpr bool WG = M8 ? static_cast<bool>(INDEXCP_HAVE_WGMMA) : kWgmmaTiles<NT>;
   extern __shared__ __align__(128) unsigned char smem[];
   constexpr int HALF = half_bytes<MODE>();
   constexpr int ROWB = MODE == kModeFp8 ? kHeadDim : kNvfp4DataBytesPerKey;
@@ -281,8 +284,16 @@ __global__ void __launch_bounds__(warps_of<MODE>() * 32, minb_of<MODE>()) score_
       static_assert(form_dim(0, 0, 0, 1) == form_dim(0, 0, 0, 0) + 1 && form_dim(0, 0, 1, 0) == form_dim(0, 0, 0, 0) + 2 &&
                         form_dim(0, 0, 1, 1) == form_dim(0, 0, 0, 0) + 3 && form_dim(1, 0, 0, 0) == form_dim(0, 0, 0, 0) + 4,
                     "the query pairs below assume form_dim's order");
-      v.x = q_pair_bytes(w & 0xffu, (w >> 8) & 0xffu);          // first pair: dims d, d + 1
-      v.y = q_pair_bytes((w >> 16) & 0xffu, (w >> 24) & 0xffu);  // second pair: dims d + 2, d + 3
+      if constexpr (M8) {  // the E4M3 bytes themselves: k-step s8 = s / 2 takes the words of fp16
+                           // k-steps 2 s8, 2 s8 + 1 (form8_dim) as its halves
+        uint32_t* qw = reinterpret_cast<uint32_t*>(qf);
+        if constexpr (WG) qw[wg_b_index<NT>(s >> 1, nt * 8 + (ln >> 2), s & 1, ln & 3)] = w;  // bytes, k32 core matrices
+        else qw[2 * BFrags<NT>::index(s >> 1, nt, ln) + (s & 1)] = w;                       // (b0, b1) in slot s8
+        continue;
+      } else {
+        v.x = q_pair_bytes(w & 0xffu, (w >> 8) & 0xffu);          // first pair: dims d, d + 1
+        v.y = q_pair_bytes((w >> 16) & 0xffu, (w >> 24) & 0xffu);  // second pair: dims d + 2, d + 3
+      }
       if constexpr (WG) {
         uint32_t* qw = reinterpret_cast<uint32_t*>(qf);
         qw[wg_b_index<NT>(s, nt * 8 + (ln >> 2), 0, ln & 3)] = v.x;
@@ -351,8 +362,10 @@ __global__ void __launch_bounds__(warps_of<MODE>() * 32, minb_of<MODE>()) score_
             if (MODE == kModeE4m3 && ok && any_negative_scale(st, c * rc_half, rc_half, lane))
               fix_negative_scales(st, c * rc_half, rc_half, lane);
 #pragma unroll 1
-            for (int t = 0; t < rc_half / 16; ++t)
-              score_tile_wg<MODE, NT>(st, c * rc_half + t * 16, g, t4, lut, desc, ok, rm);
+            for (int t = 0; t < rc_half / 16; ++t) {
+              if constexpr (M8) score_tile_wg8<MODE, NT>(st, c * rc_half + t * 16, g, t4, lut, desc, ok, rm);
+              else score_tile_wg<MODE, NT>(st, c * rc_half + t * 16, g, t4, lut, desc, ok, rm);
+            }
           }
         } else if (active) {
           for (int c = 0; c < nch; ++c) {
@@ -367,8 +380,13 @@ __global__ void __launch_bounds__(warps_of<MODE>() * 32, minb_of<MODE>()) score_
             }
             const bool neg = MODE == kModeE4m3 && any_negative_scale(st, c * ch.nrows, ch.nrows, lane);
             auto tile = [&](int t) {
-              if (neg) score_tile<MODE, NT, true>(st, c * ch.nrows + t * 16, g, t4, lut, bq, rm);
-              else score_tile<MODE, NT, false>(st, c * ch.nrows + t * 16, g, t4, lut, bq, rm);
+              if constexpr (M8) {
+                if (neg) score_tile8<MODE, NT, true>(st, c * ch.nrows + t * 16, g, t4, lut, bq, rm);
+                else score_tile8<MODE, NT, false>(st, c * ch.nrows + t * 16, g, t4, lut, bq, rm);
+              } else {
+                if (neg) score_tile<MODE, NT, true>(st, c * ch.nrows + t * 16, g, t4, lut, bq, rm);
+                else score_tile<MODE, NT, false>(st, c * ch.nrows + t * 16, g, t4, lut, bq, rm);
+              }
             };
             if constexpr (NT <= 2 && MODE != kModeFp8) {  // two tiles interleaved (v6: -1%; NT = 4 and FP8 spill)
 #pragma unroll 2
@@ -392,11 +410,11 @@ __global__ void __launch_bounds__(warps_of<MODE>() * 32, minb_of<MODE>()) score_
   }
 }
 
-template <int MODE, int NT, bool STOCK, bool GATHER>
+template <int MODE, int NT, bool STOCK, bool GATHER, bool M8>
 void launch_t(const ScoreArgs& a, dim3 grid, cudaStream_t stream) {
   constexpr int smem = score_smem_bytes<MODE, NT>(), kThreads = warps_of<MODE>() * 32;
   static_assert(smem <= 227 * 1024, "shared memory");
-  auto k = score_kernel<MODE, NT, STOCK, GATHER>;
+  auto k = score_kernel<MODE, NT, STOCK, GATHER, M8>;
   check(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
         "cudaFuncSetAttribute (score kernel shared memory)");
   if (!a.plan_local) {
@@ -416,11 +434,11 @@ void launch_t(const ScoreArgs& a, dim3 grid, cudaStream_t stream) {
   INDEXCP_CUDA_LAUNCH_CHECK("score kernel launch");
 }
 
-template <int MODE, bool STOCK, bool GATHER>
+template <int MODE, bool STOCK, bool GATHER, bool M8 = false>
 void launch_nt(int nt, const ScoreArgs& a, dim3 grid, cudaStream_t stream) {
-  if (nt == 1) launch_t<MODE, 1, STOCK, GATHER>(a, grid, stream);
-  else if (nt == 2) launch_t<MODE, 2, STOCK, GATHER>(a, grid, stream);
-  else launch_t<MODE, 4, STOCK, GATHER>(a, grid, stream);
+  if (nt == 1) launch_t<MODE, 1, STOCK, GATHER, M8>(a, grid, stream);
+  else if (nt == 2) launch_t<MODE, 2, STOCK, GATHER, M8>(a, grid, stream);
+  else launch_t<MODE, 4, STOCK, GATHER, M8>(a, grid, stream);
 }
 
 std::mutex g_tables_mu;
@@ -486,6 +504,11 @@ void launch_score(const ScoreLaunch& s, cudaStream_t stream) {
   // rows per rank: a multiple of 16 (formats.md section 7; PageLayout enforces it), so a 64-row
   // half-stage holds at most 4 chunks (the kernel's meta slots)
   INDEXCP_REQUIRE(R >= 16 && R % 16 == 0, "rows per rank must be a multiple of 16");
+  check_score_mode(s.keys.gather ? KvDtype::kFp8 : L.dtype, s.mode, s.precision);
+  const bool m8 = s.precision == ScorePrecision::kFp8Mma;
+  const int mode = s.keys.gather || L.dtype == KvDtype::kFp8 ? kModeFp8
+                   : s.mode == KRounding::kExact            ? kModeExact
+                                                            : kModeE4m3;
   // INDEXCP_SCORE_PLAN=kernel forces the separate plan kernel (tests compare both paths)
   const char* pe = ::indexcp::detail::knob_env("INDEXCP_SCORE_PLAN");
   a.plan_local = s.rows.num_requests <= kPlanLocal && !(pe && std::strcmp(pe, "kernel") == 0);
@@ -503,11 +526,16 @@ void launch_score(const ScoreLaunch& s, cudaStream_t stream) {
   INDEXCP_REQUIRE(gy <= 65535, "score launch too large (rows of one request x heads)");
   const dim3 grid(1, static_cast<unsigned>(gy));
   ensure_tables(stream);
-  if (s.keys.gather) {
+  const bool stock = s.stock && R >= kBlockTokens;
+  if (m8) {
+    if (s.keys.gather) launch_nt<kModeFp8, false, true, true>(nt, a, grid, stream);
+    else if (stock && mode == kModeFp8) launch_nt<kModeFp8, true, false, true>(nt, a, grid, stream);
+    else if (stock) launch_nt<kModeE4m3, true, false, true>(nt, a, grid, stream);
+    else if (mode == kModeFp8) launch_nt<kModeFp8, false, false, true>(nt, a, grid, stream);
+    else launch_nt<kModeE4m3, false, false, true>(nt, a, grid, stream);
+  } else if (s.keys.gather) {
     launch_nt<kModeFp8, false, true>(nt, a, grid, stream);
   } else {
-    const bool stock = s.stock && R >= kBlockTokens;
-    const int mode = L.dtype == KvDtype::kFp8 ? kModeFp8 : (s.mode == KRounding::kExact ? kModeExact : kModeE4m3);
     if (stock) {
       if (mode == kModeFp8) launch_nt<kModeFp8, true, false>(nt, a, grid, stream);
       else if (mode == kModeExact) launch_nt<kModeExact, true, false>(nt, a, grid, stream);

@@ -258,14 +258,15 @@ class CudaTpIndexer final : public TpIndexer {
     std::vector<int64_t> reserved(static_cast<size_t>(cfg_.engine.tp), 0);
     auto res = run(rows, b.heads, sel, st, [&](int rank, Communicator& comm, int32_t* out, cuda::Stream s) {
       if (cfg_.sharding && cfg_.prefill_cp == PrefillCp::kGather) {
-        reserved[rank] = cuda::prefill_gather(comm, cache(rank), 0, d, sel, cfg_.prefill_gather_budget_bytes, out, s)
+        reserved[rank] = cuda::prefill_gather(comm, cache(rank), 0, d, sel, cfg_.prefill_gather_budget_bytes, out, s,
+                                               cfg_.score_precision)
                              .reserved_bytes;
       } else if (cfg_.sharding) {
-        cuda::prefill_local_score(comm, cache(rank), 0, d, sel, out, s);
+        cuda::prefill_local_score(comm, cache(rank), 0, d, sel, out, s, cfg_.score_precision);
       } else {
         int32_t h0, nh;
         owned_heads(d.heads, comm.world(), rank, &h0, &nh);
-        cuda::prefill_select(cache(0), 0, d, h0, nh, sel, out, s);
+        cuda::prefill_select(cache(0), 0, d, h0, nh, sel, out, s, cfg_.score_precision);
       }
     });
     if (st) {
@@ -290,7 +291,8 @@ class CudaTpIndexer final : public TpIndexer {
     const int64_t mb = static_cast<int64_t>(b.max_pages) * caches_[0].layout().blocks_per_page();
     const size_t n = static_cast<size_t>(rows) * b.heads * mb;
     cuda::detail::DeviceBuffer<float> out(n);
-    cuda::decode_scores(caches_[0], 0, d, 0, b.heads, cfg_.k_rounding, out.get(), nullptr, false);
+    cuda::decode_scores(caches_[0], 0, d, 0, b.heads, cfg_.k_rounding, out.get(), nullptr, false,
+                        cfg_.score_precision);
     std::vector<float> h(n);
     if (n) cuda::detail::check(cudaMemcpy(h.data(), out.get(), n * sizeof(float), cudaMemcpyDeviceToHost), "cudaMemcpy (scores)");
     return h;

@@ -33,6 +33,17 @@ namespace indexcp::cuda::detail {
 /// (0: first, k = 2 t4 + jj; 1: second, k = 2 t4 + 8 + jj) and half jj (0, 1) of the fp16 pair.
 INDEXCP_HD constexpr int form_dim(int s, int t4, int pair, int jj) { return 32 * t4 + 4 * s + 2 * pair + jj; }
 
+// The fp8_mma form (indexer_score_precision "fp8_mma"): wgmma m64nNk32 with E4M3 operands (A from
+// registers, per warp the layout of mma.sync.m16n8k32, which the compute_90 PTX issues). In
+// k-step s8 (0..3) the thread of quad lane t4 holds 4 bytes of each of its rows at k = 4 t4 + i
+// (A regs a0, a1; B reg b0) and 4 at k = 16 + 4 t4 + i (a2, a3; b1). The dimensions are those of
+// the fp16 form: k-step s8 takes the fp16 form's k-steps 2 s8 (first word) and 2 s8 + 1 (second),
+// so a thread again owns dims 32 t4 .. 32 t4 + 31 and the stored bytes (FP8) or the table bytes
+// (NVFP4) feed the MMA with no conversion: word j of 8 NVFP4 codes is k-step j (lo, hi), FP8
+// words 2 s8 and 2 s8 + 1 are k-step s8. One chain of 4 MMAs per 16-row tile in every scorer.
+/// Dimension of byte i (0..3) of word `half` (0, 1) at k-step s8 (0..3), quad lane t4.
+INDEXCP_HD constexpr int form8_dim(int s8, int t4, int half, int i) { return 32 * t4 + 8 * s8 + 4 * half + i; }
+
 /// PTX prmt.b32 in its default mode: byte i of the result is byte (sel >> 4i) & 7 of the 8 bytes
 /// {a, b} (a = bytes 0..3); with bit 3 of that nibble set, the byte's sign bit replicated (0x00 or
 /// 0xFF). The device issues the instruction; the host computes the same.
@@ -112,13 +123,20 @@ INDEXCP_HD void form_khat_entry(uint8_t scale, uint32_t* lo, uint32_t* hi) {
 /// NVFP4 with E4M3 rounding: the fp16 bits of k_hat: the E4M3 bytes of the 8 codes in code order
 /// (magnitude from the scale's table entry, sign from the code), two at a time through the
 /// conversion instruction.
-INDEXCP_HD void form_expand_e4m3(uint32_t w, uint32_t lut_lo, uint32_t lut_hi, uint32_t (&h)[4]) {
+/// The signed E4M3 bytes of k_hat of word w: *lo = codes 0..3 (byte c = code c), *hi = codes 4..7.
+/// The fp8_mma form multiplies these bytes directly; the fp16 form converts them.
+INDEXCP_HD void form_khat_bytes(uint32_t w, uint32_t lut_lo, uint32_t lut_hi, uint32_t* lo, uint32_t* hi) {
   const uint32_t m = w & 0x77777777u;
   const uint32_t plo = form_prmt(lut_lo, lut_hi, m);                         // [M0 M1 M2 M3]
   const uint32_t phi = form_prmt(lut_lo, lut_hi, form_mulhi(m, 1u << 16));  // [M4 M5 M6 M7]
   const uint32_t w4 = w << 4;
-  const uint32_t lo = plo | (form_prmt(w4, w, 0xD9C8u) & 0x80808080u);  // signs of codes 0..3 replicated
-  const uint32_t hi = phi | (form_prmt(w4, w, 0xFBEAu) & 0x80808080u);  // codes 4..7
+  *lo = plo | (form_prmt(w4, w, 0xD9C8u) & 0x80808080u);  // signs of codes 0..3 replicated
+  *hi = phi | (form_prmt(w4, w, 0xFBEAu) & 0x80808080u);  // codes 4..7
+}
+
+INDEXCP_HD void form_expand_e4m3(uint32_t w, uint32_t lut_lo, uint32_t lut_hi, uint32_t (&h)[4]) {
+  uint32_t lo, hi;
+  form_khat_bytes(w, lut_lo, lut_hi, &lo, &hi);
   h[0] = form_cvt_lo(lo);  // (c0, c1)
   h[1] = form_cvt_hi(lo);  // (c2, c3)
   h[2] = form_cvt_lo(hi);  // (c4, c5)

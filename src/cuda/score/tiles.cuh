@@ -159,6 +159,53 @@ __device__ __forceinline__ void tile_frags(const uint8_t* st, int rb, int g, int
   }
 }
 
+// The A fragments of one tile of 16 rows in the fp8_mma form (form.hpp, form8_dim): f(s8, A) for
+// k-steps s8 = 0..3 with the 4 registers of mma.m16n8k32 (a0, a1: rows g, g + 8 at k = 4 t4 + i;
+// a2, a3: at k = 16 + 4 t4 + i): the stored E4M3 bytes (FP8) or the table's k_hat bytes (NVFP4,
+// E4M3 rounding), unconverted.
+template <int MODE, bool NEG, class F>
+__device__ __forceinline__ void tile_frags8(const uint8_t* st, int rb, int g, int t4, const uint2* lut, F&& f) {
+  static_assert(MODE != kModeExact, "fp8_mma needs E4M3 keys (config.md rule 7)");
+  constexpr int ROWB = MODE == kModeFp8 ? kHeadDim : kNvfp4DataBytesPerKey;
+  const int r0 = rb + g, r1 = r0 + 8;
+  if (MODE == kModeFp8) {  // 8 bytes of each row per k-step, loaded as it goes (no conversion to wait for)
+#pragma unroll
+    for (int s8 = 0; s8 < 4; ++s8) {
+      const uint2 x0 = *reinterpret_cast<const uint2*>(st + r0 * ROWB + t4 * 32 + 8 * s8);
+      const uint2 x1 = *reinterpret_cast<const uint2*>(st + r1 * ROWB + t4 * 32 + 8 * s8);
+      const uint32_t A[4] = {x0.x, x1.x, x0.y, x1.y};
+      f(s8, A);
+    }
+  } else {
+    const uint4 a0 = *reinterpret_cast<const uint4*>(st + r0 * ROWB + t4 * 16);
+    const uint4 b0 = *reinterpret_cast<const uint4*>(st + r1 * ROWB + t4 * 16);
+    const uint8_t* scl = st + kHalfRows * ROWB;
+    const uint32_t sc0 = *reinterpret_cast<const uint16_t*>(scl + r0 * 8 + 2 * t4);
+    const uint32_t sc1 = *reinterpret_cast<const uint16_t*>(scl + r1 * 8 + 2 * t4);
+    const uint32_t w0[4] = {a0.x, a0.y, a0.z, a0.w};
+    const uint32_t w1[4] = {b0.x, b0.y, b0.z, b0.w};
+    uint2 l0[2], l1[2];
+    uint32_t n0[2] = {0u, 0u}, n1[2] = {0u, 0u};
+#pragma unroll
+    for (int gi = 0; gi < 2; ++gi) {
+      const uint32_t e0 = (sc0 >> (8 * gi)) & 0xffu, e1 = (sc1 >> (8 * gi)) & 0xffu;
+      l0[gi] = lut[e0];
+      l1[gi] = lut[e1];
+      if (NEG) {  // a negative scale flips every code's sign (never written by the quantizer)
+        n0[gi] = (0u - (e0 >> 7)) & 0x88888888u;
+        n1[gi] = (0u - (e1 >> 7)) & 0x88888888u;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      uint32_t A[4];
+      form_khat_bytes(NEG ? w0[j] ^ n0[j >> 1] : w0[j], l0[j >> 1].x, l0[j >> 1].y, &A[0], &A[2]);
+      form_khat_bytes(NEG ? w1[j] ^ n1[j >> 1] : w1[j], l1[j >> 1].x, l1[j >> 1].y, &A[1], &A[3]);
+      f(j, A);
+    }
+  }
+}
+
 // The block maxima of a warp: lane (g, t4) holds V = 2 NT partial maxima, value v = 2 nt + jj for
 // column 8 nt + 2 t4 + jj, over rows g, g + 8 of its tiles. A reduce-scatter over the 8 lanes of
 // a column group (lane bits 4, 3, 2 = g bits 2, 1, 0; each step halves the values a lane keeps,
@@ -225,6 +272,23 @@ __device__ __forceinline__ void score_tile(const uint8_t* st, int rb, int g, int
   fold_max<NT>(acc, rm);
 }
 
+// The same tile in the fp8_mma form: 4 mma.m16n8k32 per n-tile. The query fragments hold the raw
+// E4M3 words: BFrags slot s8 (of the first 4) = (b0, b1) of k-step s8.
+template <int MODE, int NT, bool NEG>
+__device__ __forceinline__ void score_tile8(const uint8_t* st, int rb, int g, int t4, const uint2* lut,
+                                            const BFrags<NT>& bq, float (&rm)[NT][2]) {
+  float acc[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+  tile_frags8<MODE, NEG>(st, rb, g, t4, lut, [&](int s8, const uint32_t* A) {
+    uint2 bb[NT];
+    bq.get(s8, bb);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) mma16832_e4m3(acc[nt], A, bb[nt].x, bb[nt].y);
+  });
+  fold_max<NT>(acc, rm);
+}
+
 // ---- wgmma (sm_90a): the 4 warps of a warpgroup each multiply their own 16 rows (A from
 // registers) by the same NT*8 query vectors (B in shared memory), one instruction per k-step.
 // B of k-step s is stored K-major without swizzle: 8 x 8 "core matrices" of fp16 (8 vectors x 16
@@ -255,6 +319,27 @@ __device__ __forceinline__ void score_tile_wg(const uint8_t* st, int rb, int g, 
   wg_fence();
 #pragma unroll
   for (int s = 0; s < 8; ++s) wgmma_tile<NT>(acc, A[s], desc + static_cast<uint64_t>(s * NT * 16), s > 0);
+  wg_commit();
+  wg_wait0();
+  fence_acc<NT>(acc);
+  if (valid) fold_max<NT>(acc, rm);
+}
+
+// One tile in the fp8_mma form with wgmma (4 instructions m64nNk32 on the E4M3 bytes), in step
+// with the warpgroup as score_tile_wg.
+template <int MODE, int NT>
+__device__ __forceinline__ void score_tile_wg8(const uint8_t* st, int rb, int g, int t4, const uint2* lut,
+                                               uint64_t desc, bool valid, float (&rm)[NT][2]) {
+  uint32_t A[4][4];
+  if (valid)
+    tile_frags8<MODE, false>(st, rb, g, t4, lut, [&](int s8, const uint32_t* a) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) A[s8][i] = a[i];
+    });
+  float acc[NT][4];
+  wg_fence();
+#pragma unroll
+  for (int s8 = 0; s8 < 4; ++s8) wgmma8_tile<NT>(acc, A[s8], desc + static_cast<uint64_t>(s8 * NT * 16), s8 > 0);
   wg_commit();
   wg_wait0();
   fence_acc<NT>(acc);

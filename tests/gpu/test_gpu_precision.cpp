@@ -1,0 +1,341 @@
+// indexer_score_precision "fp8_mma" on the GPU (spec/config.md sections 1-2, indexer.md section 3;
+// docs/precision.md): the scores against the fp64 reference of the same E4M3 keys and queries
+// within the documented bound, on random, wide-range and cancelling data; one form in every
+// scorer (head widths of 8 / 16 / 32 query vectors, decode and prefill of the same rows, ICP,
+// decode CP, the gather and local_score prefill: the same bits); selections exact on the scores the
+// kernel computed; the refusals. The CPU cannot emulate the FP8 tensor cores' accumulation, so
+// every bit-for-bit comparison here is between GPU paths, and the CPU checks the bound.
+#include "gpu_util.hpp"
+#include "indexcp/error.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <functional>
+#include <iostream>
+
+#include "indexcp/tp_group.hpp"
+
+using namespace gpu;
+
+namespace {
+
+constexpr ScorePrecision kF8 = ScorePrecision::kFp8Mma;
+
+/// The bound docs/precision.md states for a fp8_mma block score s of keys and queries whose fp64
+/// score is ref: |s - ref| <= 2^-9 * sum_d |q_d k_d| (of the token that gives the block maximum's
+/// bound) + one fp32 rounding of ref.
+double fp8_tol(double bound, double ref) { return std::ldexp(1.0, -9) * bound + std::fabs(ref) * std::ldexp(1.0, -23); }
+
+enum class Data { kRandom, kWideRange, kCancelling };
+const char* name_of(Data d) { return d == Data::kRandom ? "random" : d == Data::kWideRange ? "wide-range" : "cancelling"; }
+
+struct Scene {
+  Requests req;
+  std::vector<float> keys;
+  std::vector<int64_t> slots;
+};
+
+// kWideRange: every key element scaled by 2^e, e uniform in [-8, 8] (NVFP4 groups and E4M3 bytes
+// at both ends of their range within one vector). kCancelling: dims (2i, 2i + 1) of a key are
+// equal, and the queries below give them opposite signs, so the products nearly cancel.
+Scene make_scene(const std::vector<int32_t>& lens, int32_t P, uint32_t seed, Data data) {
+  Scene s;
+  s.req = make_requests(lens, P, seed);
+  make_keys(s.req, seed + 1, s.keys, s.slots);
+  std::mt19937 rng(seed + 2);
+  if (data == Data::kWideRange)
+    for (auto& k : s.keys) k = std::ldexp(k, static_cast<int>(rng() % 17) - 8);
+  if (data == Data::kCancelling)
+    for (size_t i = 0; i + 1 < s.keys.size(); i += 2) s.keys[i + 1] = s.keys[i];
+  return s;
+}
+
+std::vector<uint8_t> make_queries(int64_t rows, int32_t H, uint32_t seed, Data data) {
+  auto q = make_q(rows, H, seed);
+  std::mt19937 rng(seed + 3);
+  if (data == Data::kWideRange)
+    for (auto& b : q) b = e4m3_encode(std::ldexp(e4m3_decode(b), static_cast<int>(rng() % 9) - 4));
+  if (data == Data::kCancelling)  // q[2i + 1] = -q[2i] (+ a small E4M3 perturbation now and then)
+    for (size_t i = 0; i + 1 < q.size(); i += 2) {
+      const float v = e4m3_decode(q[i]);
+      q[i + 1] = e4m3_encode(-v * (rng() % 8 == 0 ? 1.125f : 1.0f));
+    }
+  return q;
+}
+
+std::vector<uint32_t> bits_of(const std::vector<float>& v) {
+  std::vector<uint32_t> b(v.size());
+  std::memcpy(b.data(), v.data(), v.size() * sizeof(float));
+  return b;
+}
+
+std::vector<float> decode_scores_of(const cuda::DeviceCache& c, const DecodeBatch& b, int32_t h0, int32_t nh,
+                                    ScorePrecision prec, KRounding mode = KRounding::kE4m3) {
+  const int64_t mb = static_cast<int64_t>(b.max_pages) * c.layout().blocks_per_page();
+  DevArr<float> sc(static_cast<size_t>(b.rows()) * nh * mb);
+  cuda::decode_scores(c, 0, b, h0, nh, mode, sc.get(), nullptr, true, prec);
+  return sc.host();
+}
+
+}  // namespace
+
+// The scores of the mode against the fp64 reference of the same k_hat and queries: within
+// fp8_tol everywhere, and (so that the test fails if the mode never ran) different from the fp32
+// mode's scores somewhere. The measured largest error / sum |q k| is printed for docs/precision.md.
+class GpuFp8MmaScores : public ::testing::TestWithParam<std::tuple<KvDtype, int32_t, Data>> {};
+
+TEST_P(GpuFp8MmaScores, WithinTheDocumentedBoundOfFp64) {
+  REQUIRE_GPU();
+  const auto [dt, P, data] = GetParam();
+  const int32_t H = 4, Q = 4;
+  auto s = make_scene({2100, 700, 4100, 130}, P, 90u + P + static_cast<uint32_t>(data), data);
+  auto dev = device_shards(dt, s.req, 1, s.keys, s.slots);
+  auto host = make_shards(dt, s.req, 1, s.keys, s.slots);
+  const int64_t rows = static_cast<int64_t>(s.req.seq_lens.size()) * Q;
+  const auto q = make_queries(rows, H, 7u + P, data);
+  DevDecode d(s.req, q, H, Q);
+  const auto qrows = decode_rows(host_batch(s.req, q, H, Q), s.req.num_pages, P);
+  const auto ref = ref_scores(host[0], s.req, qrows, q, H, KRounding::kE4m3);
+  const auto f8 = decode_scores_of(dev[0], d.b, 0, H, kF8);
+  const auto f32 = decode_scores_of(dev[0], d.b, 0, H, ScorePrecision::kFp32);
+  ASSERT_EQ(f8.size(), ref.score.size());
+  int64_t checked = 0, differ_from_fp32 = 0, over = 0;
+  std::string first;
+  std::vector<double> rel;
+  for (size_t i = 0; i < f8.size(); ++i) {
+    if (std::isinf(ref.score[i])) {
+      ASSERT_TRUE(std::isinf(f8[i]) && f8[i] < 0) << "index " << i << ": a score where none is due";
+      continue;
+    }
+    const double err = std::fabs(f8[i] - ref.score[i]);
+    if (err > fp8_tol(ref.absmax[i], ref.score[i]) && over++ == 0)
+      first = "index " + std::to_string(i) + ": fp8_mma " + std::to_string(f8[i]) + ", fp64 " +
+              std::to_string(ref.score[i]) + ", sum|qk| " + std::to_string(ref.absmax[i]);
+    rel.push_back(ref.absmax[i] > 0 ? err / ref.absmax[i] : (err > 0 ? INFINITY : 0.0));
+    differ_from_fp32 += bits_of({f8[i]})[0] != bits_of({f32[i]})[0];
+    ++checked;
+  }
+  ASSERT_GT(checked, rows * H * 4);
+  if (data == Data::kWideRange)  // (the mode ran: on wide ranges its accumulation rounds differently)
+    EXPECT_GT(differ_from_fp32, 0) << "fp8_mma scores equal the fp32 mode's everywhere: did the mode run?";
+  std::sort(rel.begin(), rel.end());
+  std::cout << "[fp8_mma bound] " << to_string(dt) << " P" << P << " " << name_of(data) << ": " << checked
+            << " scores, max |err| / sum|qk| = " << rel.back() << ", p99 = " << rel[rel.size() * 99 / 100]
+            << ", differ from fp32 mode: " << differ_from_fp32 << "\n";
+  EXPECT_EQ(over, 0) << over << " scores outside 2^-9 sum|qk| (" << name_of(data) << "); first at " << first;
+}
+
+INSTANTIATE_TEST_SUITE_P(All, GpuFp8MmaScores,
+                         ::testing::Combine(::testing::Values(KvDtype::kNvfp4, KvDtype::kFp8), ::testing::Values(128, 256),
+                                            ::testing::Values(Data::kRandom, Data::kWideRange, Data::kCancelling)));
+
+// One form in every scorer: the heads scored 1, 2 and 4 at a time (8, 16, 32 query vectors per CTA),
+// on replicated caches and on shards (general scorer), give the same bits; decode and prefill of
+// the same rows give the same bits; ICP and decode CP equal replicated; the selection equals the
+// CPU's select_topk on the kernel's own scores.
+class GpuFp8MmaForm : public ::testing::TestWithParam<std::tuple<KvDtype, int32_t, int32_t>> {};
+
+TEST_P(GpuFp8MmaForm, EveryScorerGivesTheSameBits) {
+  REQUIRE_GPU();
+  const auto [dt, P, W] = GetParam();
+  const int32_t H = 4, Q = 8;
+  auto s = make_scene({5000, 129, 0, 3100, 640}, P, 40u + P + W, Data::kRandom);
+  auto repl = device_shards(dt, s.req, 1, s.keys, s.slots);
+  auto shards = device_shards(dt, s.req, W, s.keys, s.slots);
+  const int64_t rows = static_cast<int64_t>(s.req.seq_lens.size()) * Q;
+  const auto q = make_q(rows, H, 11u + W);
+  DevDecode d(s.req, q, H, Q);
+  const int64_t mb = static_cast<int64_t>(s.req.max_pages) * P / 128;
+
+  // head widths, replicated and on rank 0's shard
+  for (const cuda::DeviceCache* c : {&repl[0], &shards[0]}) {
+    const auto all = bits_of(decode_scores_of(*c, d.b, 0, H, kF8));
+    for (const int32_t nh : {1, 2})
+      for (int32_t h0 = 0; h0 < H; h0 += nh) {
+        const auto part = bits_of(decode_scores_of(*c, d.b, h0, nh, kF8));
+        int64_t differ = 0;
+        for (int64_t r = 0; r < rows; ++r)
+          for (int32_t hh = 0; hh < nh; ++hh)
+            for (int64_t b = 0; b < mb; ++b) differ += part[(r * nh + hh) * mb + b] != all[(r * H + h0 + hh) * mb + b];
+        EXPECT_EQ(differ, 0) << (c == &repl[0] ? "replicated" : "shard") << ": heads " << h0 << ".." << h0 + nh - 1
+                             << " scored " << nh << " at a time differ from all " << H << " at once";
+      }
+  }
+
+  // decode and prefill of the same rows: query_start in steps of Q, the same seq_lens and q
+  const auto dec = bits_of(decode_scores_of(repl[0], d.b, 0, H, kF8));
+  {
+    std::vector<int32_t> qs(s.req.seq_lens.size() + 1);
+    for (size_t b = 0; b <= s.req.seq_lens.size(); ++b) qs[b] = static_cast<int32_t>(b) * Q;
+    DevArr<int32_t> dqs(qs);
+    PrefillBatch pb;
+    pb.q = d.b.q;
+    pb.heads = H;
+    pb.block_table = d.b.block_table;
+    pb.num_requests = d.b.num_requests;
+    pb.max_pages = d.b.max_pages;
+    pb.seq_lens = d.b.seq_lens;
+    pb.query_start = dqs.get();
+    DevArr<float> ps(static_cast<size_t>(rows) * H * mb);
+    cuda::prefill_scores(repl[0], 0, pb, rows, Q, 0, H, ps.get(), nullptr, kF8);
+    CUDA_OK(cudaDeviceSynchronize());
+    const auto pre = bits_of(ps.host());
+    int64_t differ = 0;
+    for (size_t i = 0; i < pre.size(); ++i) differ += pre[i] != dec[i];
+    EXPECT_EQ(differ, 0) << "prefill scores of the decode rows differ from the decode scores";
+  }
+
+  // selections: exact on the kernel's scores, and ICP / decode CP equal replicated
+  const SelectionParams sel;
+  const size_t n = static_cast<size_t>(rows) * H * sel.topk;
+  DevArr<int32_t> o_rep(n);
+  cuda::decode_select(repl[0], 0, d.b, 0, H, sel, KRounding::kE4m3, o_rep.get(), nullptr, true, kF8);
+  const auto r = o_rep.host();
+  {
+    BlockScores bs;
+    bs.rows = rows;
+    bs.heads = H;
+    bs.max_blocks = mb;
+    bs.score = decode_scores_of(repl[0], d.b, 0, H, kF8);
+    bs.valid.assign(bs.score.size(), 1);
+    std::vector<int32_t> cpu(n);
+    select_topk(bs, decode_rows(host_batch(s.req, q, H, Q), s.req.num_pages, P), sel, cpu.data());
+    EXPECT_EQ(r, cpu) << "the GPU selection differs from select_topk on the GPU's own fp8_mma scores";
+  }
+  cuda::DecodeShape shape;
+  shape.max_requests = d.b.num_requests;
+  shape.max_pages = s.req.max_pages;
+  shape.query_len = Q;
+  shape.heads = H;
+  shape.precision = kF8;
+  std::vector<const cuda::DeviceCache*> cs;
+  for (auto& c : shards) cs.push_back(&c);
+  DevArr<int32_t> o_icp(n), o_cp(n), o_step(n);
+  o_icp.fill_bytes(0x7f);
+  o_cp.fill_bytes(0x7f);
+  cuda::DecodeStep(cs, W, 0, shape, cuda::DecodePath::kIcp).run(d.b, o_icp.get(), nullptr);
+  cuda::DecodeStep({&repl[0]}, W, 0, shape, cuda::DecodePath::kDecodeCp).run(d.b, o_cp.get(), nullptr);
+  cuda::DecodeStep({&repl[0]}, W, 0, shape, cuda::DecodePath::kReplicated).run(d.b, o_step.get(), nullptr);
+  CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_EQ(o_icp.host(), r) << "ICP differs from replicated (fp8_mma)";
+  EXPECT_EQ(o_cp.host(), r) << "decode CP differs from replicated (fp8_mma)";
+  EXPECT_EQ(o_step.host(), r) << "the replicated DecodeStep differs from decode_select (fp8_mma)";
+  // the fp32 mode selects from other scores: the precision reached the step
+  shape.precision = ScorePrecision::kFp32;
+  DevArr<int32_t> o32(n);
+  cuda::DecodeStep(cs, W, 0, shape, cuda::DecodePath::kIcp).run(d.b, o32.get(), nullptr);
+  DevArr<int32_t> r32(n);
+  cuda::decode_select(repl[0], 0, d.b, 0, H, sel, KRounding::kE4m3, r32.get(), nullptr);
+  CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_EQ(o32.host(), r32.host());
+}
+
+INSTANTIATE_TEST_SUITE_P(All, GpuFp8MmaForm,
+                         ::testing::Values(std::make_tuple(KvDtype::kNvfp4, 128, 2), std::make_tuple(KvDtype::kNvfp4, 128, 4),
+                                           std::make_tuple(KvDtype::kNvfp4, 256, 2), std::make_tuple(KvDtype::kNvfp4, 256, 8),
+                                           std::make_tuple(KvDtype::kFp8, 128, 2), std::make_tuple(KvDtype::kFp8, 256, 4)));
+
+// The gather and local_score prefill in fp8_mma mode equal the replicated prefill of the mode bit
+// for bit (the gather scores the shards' rows staged to FP8: the same E4M3 bytes, the same form).
+TEST(GpuFp8Mma, GatherAndLocalScorePrefillEqualReplicated) {
+  REQUIRE_GPU();
+  for (int32_t P : {128, 256})
+    for (int32_t W : {2, 4})
+      for (KvDtype dt : {KvDtype::kNvfp4, KvDtype::kFp8}) {
+        auto s = prefill_scene(P, 61u + W, false);
+        auto repl = device_shards(dt, s.req, 1, s.keys, s.slots);
+        auto shards = device_shards(dt, s.req, W, s.keys, s.slots);
+        DevPrefill d(s);
+        const SelectionParams sel;
+        const int64_t rows = s.qs.back();
+        DevArr<int32_t> ref(static_cast<size_t>(rows) * s.heads * sel.topk), r32(ref.size());
+        cuda::prefill_select(repl[0], 0, d.b, 0, s.heads, sel, ref.get(), nullptr, kF8);
+        cuda::prefill_select(repl[0], 0, d.b, 0, s.heads, sel, r32.get(), nullptr);
+        const auto r = ref.host();
+        const int64_t unit = gather_unit_bytes(shards[0].layout());
+        for (const bool gather : {true, false}) {
+          std::vector<std::vector<int32_t>> per(W);
+          cuda::run_device_ranks(W, [&](int rank, Communicator& comm, cuda::Stream st) {
+            int32_t h0, nh;
+            owned_heads(s.heads, W, rank, &h0, &nh);
+            DevArr<int32_t> o(static_cast<size_t>(rows) * nh * sel.topk);
+            if (gather) cuda::prefill_gather(comm, shards[rank], 0, d.b, sel, unit * 3, o.get(), st, kF8);
+            else cuda::prefill_local_score(comm, shards[rank], 0, d.b, sel, o.get(), st, kF8);
+            per[rank] = o.host();
+          });
+          for (int32_t rank = 0; rank < W; ++rank) {
+            int32_t h0, nh;
+            owned_heads(s.heads, W, rank, &h0, &nh);
+            for (int64_t row = 0; row < rows; ++row)
+              for (int32_t hh = 0; hh < nh; ++hh)
+                for (int k = 0; k < sel.topk; ++k)
+                  ASSERT_EQ(per[rank][(row * nh + hh) * sel.topk + k], r[(row * s.heads + h0 + hh) * sel.topk + k])
+                      << (gather ? "gather" : "local_score") << " " << to_string(dt) << " P" << P << " W" << W
+                      << " rank " << rank << " row " << row;
+          }
+        }
+      }
+}
+
+// The plans made from a resolved config carry the mode (DecodePlan, PrefillPlan through the CUDA
+// TpIndexer) and the refusals name indexer_score_precision; a refused call writes nothing.
+TEST(GpuFp8Mma, ConfigReachesThePlansAndBadModesAreRefused) {
+  REQUIRE_GPU();
+  const int32_t P = 128, W = 2, H = 4, Q = 4;
+  auto s = make_scene({3000, 700}, P, 5u, Data::kRandom);
+  auto repl = device_shards(KvDtype::kNvfp4, s.req, 1, s.keys, s.slots);
+  const int64_t rows = static_cast<int64_t>(s.req.seq_lens.size()) * Q;
+  const auto q = make_q(rows, H, 6u);
+  DevDecode d(s.req, q, H, Q);
+  const SelectionParams sel;
+  AttentionConfig ac;
+  ac.kv_dtype = KvDtype::kNvfp4;
+  ac.cache_sharding = true;
+  ac.score_precision = kF8;
+  EngineParams ep;
+  ep.tp = W;
+  ep.page_size = P;
+  ep.heads = H;
+  ep.query_len = Q;
+  const ResolvedConfig rc = resolve_config(ac, ep);
+  // the CUDA TpIndexer (plans from rc) against decode_select in the mode, and the fp32 mode
+  auto ix = make_tp_indexer("cuda", rc, s.req.num_pages);
+  std::vector<float> keys = s.keys;
+  ix->insert(keys.data(), s.slots.data(), static_cast<int64_t>(s.slots.size()), 1.0f);
+  const auto got = ix->decode(host_batch(s.req, q, H, Q), sel, nullptr);
+  DevArr<int32_t> o8(static_cast<size_t>(rows) * H * sel.topk), o32(o8.size());
+  cuda::decode_select(repl[0], 0, d.b, 0, H, sel, KRounding::kE4m3, o8.get(), nullptr, true, kF8);
+  cuda::decode_select(repl[0], 0, d.b, 0, H, sel, KRounding::kE4m3, o32.get(), nullptr);
+  EXPECT_EQ(got, o8.host()) << "the TpIndexer's ICP decode (fp8_mma plans) differs from decode_select in the mode";
+  (void)o32;
+  // refusals: exact rounding with fp8_mma on NVFP4, a precision that is no enumerator
+  const int64_t mb = static_cast<int64_t>(s.req.max_pages) * P / 128;
+  DevArr<float> sc(static_cast<size_t>(rows) * H * mb);
+  sc.upload(std::vector<float>(sc.size(), 7.0f));
+  auto refused = [&](const std::function<void()>& f, const std::string& needle) {
+    try {
+      f();
+      ADD_FAILURE() << "accepted; expected an error naming " << needle;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  refused([&] { cuda::decode_scores(repl[0], 0, d.b, 0, H, KRounding::kExact, sc.get(), nullptr, true, kF8); },
+          "indexer_score_precision = \"fp8_mma\" with indexer_k_rounding = \"exact\"");
+  refused([&] {
+    cuda::decode_scores(repl[0], 0, d.b, 0, H, KRounding::kE4m3, sc.get(), nullptr, true, static_cast<ScorePrecision>(5));
+  }, "indexer_score_precision = 5");
+  for (float v : sc.host()) ASSERT_EQ(v, 7.0f) << "a refused call wrote its output";
+  cuda::DecodeShape shape;
+  shape.max_requests = d.b.num_requests;
+  shape.max_pages = s.req.max_pages;
+  shape.query_len = Q;
+  shape.heads = H;
+  shape.mode = KRounding::kExact;
+  shape.precision = kF8;
+  refused([&] { cuda::DecodeStep({&repl[0]}, W, 0, shape, cuda::DecodePath::kReplicated); }, "indexer_k_rounding");
+  // an FP8 cache ignores the rounding (a note in the config): fp8_mma with kExact is accepted there
+  auto f8c = device_shards(KvDtype::kFp8, s.req, 1, s.keys, s.slots);
+  DevArr<float> sf(sc.size());
+  EXPECT_NO_THROW(cuda::decode_scores(f8c[0], 0, d.b, 0, H, KRounding::kExact, sf.get(), nullptr, true, kF8));
+}
