@@ -279,7 +279,7 @@ __global__ void __launch_bounds__(warps_of<MODE>() * 32, minb_of<MODE>()) score_
       constexpr int NW = BFrags<NT>::NW, NG = BFrags<NT>::NG;
       const int ln = (e / NW) & 31, nt = (e / (NW * 32)) % NG * NW + e % NW, s = e / (NW * 32 * NG);
       const uint32_t w = qraw[it];  // 0 (= +0.0 in E4M3) for vectors past nvec
-      uint2 v;
+      uint2 v{0u, 0u};
       // the byte of w of each half follows form_dim (w holds dims d .. d + 3 of k-step s)
       static_assert(form_dim(0, 0, 0, 1) == form_dim(0, 0, 0, 0) + 1 && form_dim(0, 0, 1, 0) == form_dim(0, 0, 0, 0) + 2 &&
                         form_dim(0, 0, 1, 1) == form_dim(0, 0, 0, 0) + 3 && form_dim(1, 0, 0, 0) == form_dim(0, 0, 0, 0) + 4,
