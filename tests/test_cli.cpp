@@ -287,6 +287,48 @@ TEST(Cli, RunSyntheticReportHasEveryField) {
   fs::remove_all(d);
 }
 
+// --score-precision fp8_mma,fp32: fp32 runs first (each fp8_mma row is compared with it), every
+// configuration once per mode, the precision columns in the table; the CPU backend computes exact
+// scores in both modes, so nothing differs; a policy refusal of the mode (bf16) is listed as skipped.
+TEST(Cli, RunScorePrecisionGridAndColumns) {
+  const fs::path d = temp_dir();
+  const auto r = run("run -q --synthetic --requests 2 --tokens 2304 --prefill-tokens 16 --steps 1 --query-len 4 "
+                     "--tp 2 --page-size 128 --kv-dtype nvfp4,bf16 --sharding off,on --score-precision fp8_mma,fp32 "
+                     "--backend cpu --json " + q(d / "r.json"), d);
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("precision"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("!=fp32"), std::string::npos) << r.out;
+  const json j = json::parse(slurp(d / "r.json"));
+  std::vector<std::string> order;
+  int fp8 = 0;
+  for (const auto& c : j["configs"]) {
+    if (c["kv_dtype"] != "nvfp4") continue;
+    order.push_back(c["score_precision"].get<std::string>());
+    if (c["score_precision"] == "fp8_mma") {
+      ++fp8;
+      ASSERT_TRUE(c["selections_differing_from_fp32"].is_number()) << c.dump();
+      EXPECT_EQ(c["selections_differing_from_fp32"].get<double>(), 0.0) << "the CPU backend scores exactly in both modes";
+      EXPECT_EQ(c["resolved_config"]["indexer_score_precision"], "fp8_mma");
+    } else {
+      EXPECT_TRUE(c["selections_differing_from_fp32"].is_null()) << c.dump();
+    }
+    EXPECT_EQ(c["selections_equal_replicated"], true) << c.dump();
+  }
+  EXPECT_EQ(order, (std::vector<std::string>{"fp32", "fp32", "fp8_mma", "fp8_mma"}));
+  EXPECT_EQ(fp8, 2);
+  bool bf16_fp8_skipped = false;
+  for (const auto& s : j["skipped"])
+    if (s["kv_dtype"] == "bf16" && s["score_precision"] == "fp8_mma")
+      bf16_fp8_skipped = s["reason"].get<std::string>().find("indexer_score_precision") != std::string::npos;
+  EXPECT_TRUE(bf16_fp8_skipped) << j["skipped"].dump();
+  // without fp8_mma the table keeps its columns
+  const auto r2 = run("run -q --synthetic --requests 1 --tokens 2304 --prefill-tokens 16 --steps 1 --tp 2 "
+                      "--page-size 128 --kv-dtype fp8 --sharding off --backend cpu", d);
+  ASSERT_EQ(r2.status, 0) << r2.err;
+  EXPECT_EQ(r2.out.find("!=fp32"), std::string::npos) << r2.out;
+  fs::remove_all(d);
+}
+
 TEST(Cli, RunOnADataDirectory) {
   const fs::path d = temp_dir();
   write_data(d / "data", 2, 2200, 40, 4);

@@ -225,7 +225,23 @@ CONFIG_CASES = [
     (indexcp.UnsupportedError, "indexer_kv_dtype", '{"indexer_kv_dtype": "bf16", "indexer_cache_sharding": "on"}',
      {"tp": 2}),
     (indexcp.UnsupportedError, "tp = 3", '{"indexer_cache_sharding": "on"}', {"tp": 3}),
+    (IA, "indexer_score_precision", '{"indexer_score_precision": "fp16"}', {}),
+    (indexcp.UnsupportedError, "indexer_kv_dtype = \"bf16\"",
+     '{"indexer_kv_dtype": "bf16", "indexer_score_precision": "fp8_mma"}', {}),
+    (indexcp.UnsupportedError, "indexer_k_rounding = \"exact\"",
+     '{"indexer_kv_dtype": "nvfp4", "indexer_k_rounding": "exact", "indexer_score_precision": "fp8_mma"}', {}),
 ]
+
+
+def test_score_precision_round_trips():
+    c = indexcp.AttentionConfig.from_json('{"indexer_kv_dtype": "nvfp4", "indexer_score_precision": "fp8_mma"}')
+    assert c.score_precision == indexcp.ScorePrecision.fp8_mma
+    rc = indexcp.resolve_config(c, indexcp.EngineParams(tp=2))
+    assert rc.score_precision == indexcp.ScorePrecision.fp8_mma
+    assert '"indexer_score_precision": "fp8_mma"' in rc.to_json()
+    assert indexcp.AttentionConfig().score_precision == indexcp.ScorePrecision.fp32
+    assert indexcp.parse_score_precision("fp32") == indexcp.ScorePrecision.fp32
+    bad(IA, "indexer_score_precision", lambda: indexcp.parse_score_precision("tf32"))
 
 
 @pytest.mark.parametrize("cls,name,text,engine", CONFIG_CASES)

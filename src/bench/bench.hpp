@@ -85,6 +85,7 @@ struct PrefillOptions {
   int tp = 2;
   int heads = 4;
   int budget_mib = 256;   ///< indexer_prefill_gather_budget_mib
+  std::string score_precision = "fp32";  ///< fp32 | fp8_mma (indexer_score_precision)
 };
 bool prefill(const PrefillOptions& o);
 void validate(const PrefillOptions& o);

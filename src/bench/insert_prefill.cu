@@ -101,7 +101,9 @@ bool prefill(const PrefillOptions& o) {
   const int32_t P = o.page_size, W = o.tp, H = o.heads, B = o.requests, T = o.chunk;
   std::printf("device %s: copy bandwidth %.0f GB/s, FP8 matrix rate %.0f TFLOP/s\n", dev.name().c_str(),
               dev.copy_bandwidth_gbs(), dev.fp8_tflops());
-  std::printf("gather prefill, TP%d simulated, P = %d, %d request(s), chunk of %d new tokens, H = %d, NVFP4\n", W, P, B, T, H);
+  const ScorePrecision prec = parse_score_precision(o.score_precision, "--score-precision");
+  std::printf("gather prefill, TP%d simulated, P = %d, %d request(s), chunk of %d new tokens, H = %d, NVFP4, %s scores\n", W,
+              P, B, T, H, o.score_precision.c_str());
   Progress prog(static_cast<int>(o.contexts.size()) * 5, o.run.progress);
   json results = json::array();
   for (const int32_t ctx : o.contexts) {
@@ -148,7 +150,7 @@ bool prefill(const PrefillOptions& o) {
     const std::string cell = "ctx " + std::to_string(ctx);
     auto push = [&](json j, const Combined& c) {
       j.update({{"tp", W}, {"page_size", P}, {"requests", B}, {"context", ctx}, {"chunk", T}, {"heads", H},
-                {"kv_dtype", "nvfp4"}});
+                {"kv_dtype", "nvfp4"}, {"score_precision", o.score_precision}});
       j.update(timing_fields(c));
       results.push_back(j);
     };
@@ -191,7 +193,7 @@ bool prefill(const PrefillOptions& o) {
     {  // 3. the prefill scorer alone (graph): TFLOP/s against the FP8 matrix rate
       const int64_t mb = static_cast<int64_t>(max_pages) * P / 128;
       DeviceBuffer<float> scores(static_cast<size_t>(B) * T * nh * mb);
-      Graph g(dev.capture([&] { cuda::prefill_scores(repl, 0, pb, static_cast<int64_t>(B) * T, T, h0, nh, scores.get(), sst); }));
+      Graph g(dev.capture([&] { cuda::prefill_scores(repl, 0, pb, static_cast<int64_t>(B) * T, T, h0, nh, scores.get(), sst, prec); }));
       const Combined c = repeat([&] { return dev.time_graph(g.e, o.run.replays); });
       const double tf = flops / (c.median * 1e-6) / 1e12;
       push({{"variant", "prefill_score"}, {"owned_heads", nh}, {"flops", flops}, {"tflops", tf},
@@ -206,7 +208,7 @@ bool prefill(const PrefillOptions& o) {
       DeviceBuffer<int32_t> out(nsel);
       SelectionParams sel;
       const Combined c = repeat([&] {
-        return dev.time_eager([&] { cuda::prefill_select(repl, 0, pb, h0, nh, sel, out.get(), sst); }, o.run.replays);
+        return dev.time_eager([&] { cuda::prefill_select(repl, 0, pb, h0, nh, sel, out.get(), sst, prec); }, o.run.replays);
       });
       const double tf = flops / (c.median * 1e-6) / 1e12;
       push({{"variant", "prefill_score_select"}, {"owned_heads", nh}, {"flops", flops}, {"tflops", tf},
@@ -229,7 +231,7 @@ bool prefill(const PrefillOptions& o) {
       for (int i = 0; i < n + 1; ++i) {
         const auto a = std::chrono::steady_clock::now();
         cuda::run_device_ranks(W, [&](int r, Communicator& comm, cuda::Stream s) {
-          gs[r] = cuda::prefill_gather(comm, *shards[r], 0, pb, sel, budget, outs[r]->get(), s);
+          gs[r] = cuda::prefill_gather(comm, *shards[r], 0, pb, sel, budget, outs[r]->get(), s, prec);
         });
         const double t = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - a).count();
         if (i > 0) us.push_back(t);

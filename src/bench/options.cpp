@@ -68,6 +68,8 @@ void validate(const PrefillOptions& o) {
   for (int c : o.contexts)
     INDEXCP_REQUIRE(c >= o.chunk && c <= (1 << 21), "--contexts value " + s(c) + " must be in --chunk (" + s(o.chunk) + ")..2097152");
   INDEXCP_REQUIRE(o.budget_mib >= 1 && o.budget_mib <= 65536, "--budget-mib = " + s(o.budget_mib) + " is out of range 1..65536");
+  INDEXCP_REQUIRE(o.score_precision == "fp32" || o.score_precision == "fp8_mma",
+                  "--score-precision = " + o.score_precision + " is not one of fp32, fp8_mma");
 }
 
 void validate(const StepOptions& o) {

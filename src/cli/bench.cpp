@@ -100,6 +100,9 @@ CLI::App* BenchCommand::add(CLI::App& app) {
     c->add_option("--tp", m.p.tp, "simulated TP size")->check(CLI::IsMember({2, 4, 8}))->capture_default_str();
     c->add_option("--heads", m.p.heads, "index heads")->check(CLI::Range(1, 64))->capture_default_str();
     c->add_option("--budget-mib", m.p.budget_mib, "indexer_prefill_gather_budget_mib")->check(CLI::Range(1, 65536))->capture_default_str();
+    c->add_option("--score-precision", m.p.score_precision, "indexer_score_precision: fp32, or fp8_mma (FP8 tensor cores)")
+        ->check(CLI::IsMember({"fp32", "fp8_mma"}))
+        ->capture_default_str();
   }
   {
     auto* c = m.step = m.bench->add_subcommand("step", "The whole decode step across all sparse layers, sharding off vs on");

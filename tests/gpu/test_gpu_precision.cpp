@@ -131,7 +131,7 @@ INSTANTIATE_TEST_SUITE_P(All, GpuFp8MmaScores,
 
 // One form in every scorer: the heads scored 1, 2 and 4 at a time (8, 16, 32 query vectors per CTA),
 // on replicated caches and on shards (general scorer), give the same bits; decode and prefill of
-// the same rows give the same bits; ICP and decode CP equal replicated; the selection equals the
+// the same rows give the same bits (in the fp32 mode too); ICP and decode CP equal replicated; the selection equals the
 // CPU's select_topk on the kernel's own scores.
 class GpuFp8MmaForm : public ::testing::TestWithParam<std::tuple<KvDtype, int32_t, int32_t>> {};
 
@@ -162,9 +162,10 @@ TEST_P(GpuFp8MmaForm, EveryScorerGivesTheSameBits) {
       }
   }
 
-  // decode and prefill of the same rows: query_start in steps of Q, the same seq_lens and q
-  const auto dec = bits_of(decode_scores_of(repl[0], d.b, 0, H, kF8));
-  {
+  // decode and prefill of the same rows, in both modes: query_start in steps of Q, the same
+  // seq_lens and q
+  for (const ScorePrecision prec : {kF8, ScorePrecision::kFp32}) {
+    const auto dec = bits_of(decode_scores_of(repl[0], d.b, 0, H, prec));
     std::vector<int32_t> qs(s.req.seq_lens.size() + 1);
     for (size_t b = 0; b <= s.req.seq_lens.size(); ++b) qs[b] = static_cast<int32_t>(b) * Q;
     DevArr<int32_t> dqs(qs);
@@ -177,12 +178,12 @@ TEST_P(GpuFp8MmaForm, EveryScorerGivesTheSameBits) {
     pb.seq_lens = d.b.seq_lens;
     pb.query_start = dqs.get();
     DevArr<float> ps(static_cast<size_t>(rows) * H * mb);
-    cuda::prefill_scores(repl[0], 0, pb, rows, Q, 0, H, ps.get(), nullptr, kF8);
+    cuda::prefill_scores(repl[0], 0, pb, rows, Q, 0, H, ps.get(), nullptr, prec);
     CUDA_OK(cudaDeviceSynchronize());
     const auto pre = bits_of(ps.host());
     int64_t differ = 0;
     for (size_t i = 0; i < pre.size(); ++i) differ += pre[i] != dec[i];
-    EXPECT_EQ(differ, 0) << "prefill scores of the decode rows differ from the decode scores";
+    EXPECT_EQ(differ, 0) << "prefill scores of the decode rows differ from the decode scores (" << to_string(prec) << ")";
   }
 
   // selections: exact on the kernel's scores, and ICP / decode CP equal replicated
