@@ -236,7 +236,7 @@ struct ReplayParam {
   std::string phase, dtype;
   bool sharding;
   int32_t P, W;
-  std::string extra;  // "decode_cp", "local_score", "exact", "qbytes", "init"
+  std::string extra;  // "decode_cp", "local_score", "exact", "qbytes", "init", "fp8_mma"
 };
 void PrintTo(const ReplayParam& p, std::ostream* os) {
   *os << p.phase << " " << p.dtype << " sharding " << (p.sharding ? "on" : "off") << " P" << p.P << " W" << p.W << " "
@@ -253,6 +253,7 @@ TEST_P(ReplayPaths, EqualsReplicatedAndTheLibrary) {
   if (p.extra == "exact") c.attention["indexer_k_rounding"] = "exact";
   if (p.extra == "qbytes") c.q_bytes = true;
   if (p.extra == "init") c.init = 2;
+  if (p.extra == "fp8_mma") c.attention["indexer_score_precision"] = "fp8_mma";  // exact scores on the CPU
   c.generate(7u + static_cast<uint32_t>(p.P + p.W));
   const fs::path d = temp_dir(), cd = d / "case", out = d / "out";
   c.write(cd);
@@ -269,6 +270,7 @@ TEST_P(ReplayPaths, EqualsReplicatedAndTheLibrary) {
   EXPECT_EQ(rep["config"]["tp"], p.W);
   EXPECT_EQ(rep["config"]["page_size"], p.P);
   EXPECT_EQ(rep["config"]["indexer_kv_dtype"], p.dtype);
+  EXPECT_EQ(rep["config"]["indexer_score_precision"], p.extra == "fp8_mma" ? "fp8_mma" : "fp32");
   EXPECT_TRUE(rep.contains("time"));
   EXPECT_TRUE(rep["time"]["step_wall_us"].is_number());
   EXPECT_FALSE(fs::exists(out / "scores.npy"));
@@ -283,7 +285,9 @@ INSTANTIATE_TEST_SUITE_P(
                       ReplayParam{"decode", "nvfp4", false, 128, 2, "decode_cp"},
                       ReplayParam{"decode", "bf16", false, 256, 1, ""}, ReplayParam{"prefill", "nvfp4", true, 128, 2, ""},
                       ReplayParam{"prefill", "fp8", true, 256, 4, "local_score"},
-                      ReplayParam{"prefill", "nvfp4", false, 128, 4, ""}),
+                      ReplayParam{"prefill", "nvfp4", false, 128, 4, ""},
+                      ReplayParam{"decode", "nvfp4", true, 128, 2, "fp8_mma"},
+                      ReplayParam{"prefill", "fp8", true, 256, 2, "fp8_mma"}),
     [](const ::testing::TestParamInfo<ReplayParam>& i) {
       return i.param.phase + "_" + i.param.dtype + "_" + (i.param.sharding ? "on" : "off") + "_P" +
              std::to_string(i.param.P) + "_W" + std::to_string(i.param.W) + (i.param.extra.empty() ? "" : "_" + i.param.extra);
