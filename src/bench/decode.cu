@@ -201,6 +201,7 @@ bool decode(const DecodeOptions& o) {
               << json{{"page_size", P}, {"requests", B}, {"context", ctx}, {"query_len", Q}, {"heads", H},
                       {"owned_heads", nh}, {"owned_head0", h0}, {"topk", K}, {"init_blocks", shape.sel.init_blocks},
                       {"local_blocks", shape.sel.local_blocks}, {"kv_dtype", o.kv_dtype}, {"k_rounding", o.k_rounding},
+                      {"score_precision", o.score_precision},
                       {"tp", W}}
                      .dump(2)
               << "\n";

@@ -132,8 +132,9 @@ json run_report(const RunOptions& o, const Data& data, const Workload& w, const 
          "fp8_mma runs: the share of (row, head) selections, over every prefill and decode row, whose block lists "
          "differ from the fp32 mode's replicated run of the same kv_dtype (null: fp32 mode, or no fp32 run)"},
         {"selections_equal_replicated",
-         "sharding on: bit-for-bit equal to the sharding-off run of the same kv_dtype, page size and TP on every "
-         "prefill and decode step; sharding off: equal to the first sharding-off run of the same kv_dtype"}}},
+         "sharding on: bit-for-bit equal to the sharding-off run of the same kv_dtype, score precision, page size "
+         "and TP on every prefill and decode step; sharding off: equal to the first sharding-off run of the same "
+         "kv_dtype and score precision"}}},
       {"wall_s", now_s() - t_start}};
   {  // the commit that ran, as the bench records carry it (INDEXCP_GIT_REV, set by the device scripts)
     const char* rev = detail::knob_env("INDEXCP_GIT_REV");

@@ -99,7 +99,8 @@ const std::vector<Knob>& knob_table() {
       {"INDEXCP_SCORE_MINB", K::kMacro, "2", "build", "minimum CTAs per multiprocessor of the NVFP4 scorer (__launch_bounds__)."},
       {"INDEXCP_SCORE_WGMMA", K::kMacro, "1", "build", "0 builds the scorer without wgmma (mma.sync only)."},
       {"INDEXCP_SCORE_WGMMA_MIN_NT", K::kMacro, "2", "build", "the smallest tile width NT (8-vector groups) that uses wgmma."},
-      {"INDEXCP_SCORE_WGMMA_NT1", K::kMacro, "0", "build", "1 lets NT = 1 tiles use wgmma too."},
+      {"INDEXCP_SCORE_WGMMA_NT1", K::kMacro, "0", "build", "1 lets NT = 1 tiles use wgmma too (this and INDEXCP_SCORE_WGMMA_MIN_NT do not apply to "
+                                                              "indexer_score_precision \"fp8_mma\", which uses wgmma at every width)."},
       {"INDEXCP_AB_NO_STEP_SIGNATURE", K::kMacro, "undefined", "build",
        "defined: the decode plans exchange no step signature (an A/B build of bench/NOTES.md only; ranks that "
        "disagree are then not detected)."},

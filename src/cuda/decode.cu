@@ -88,6 +88,7 @@ void prefill_scores(const CacheView& cache, int32_t layer, const PrefillBatch& b
                     ScorePrecision precision) {
   check_layer(cache, layer);
   check_not_bf16(cache);
+  check_score_mode(cache.layout().dtype, KRounding::kE4m3, precision);  // before out is filled
   INDEXCP_REQUIRE(cache.layout().shards == 1, "cache is sharded (shards = " + std::to_string(cache.layout().shards) +
                                                   "); prefill_scores needs a replicated cache");
   INDEXCP_REQUIRE(batch.heads >= 1 && batch.heads <= 64, "heads = " + std::to_string(batch.heads) + " is out of range 1..64");
