@@ -88,6 +88,20 @@ std::vector<float> decode_scores_of(const cuda::DeviceCache& c, const DecodeBatc
   return sc.host();
 }
 
+// A prefill batch over a decode batch's arrays (the same q, block table and seq_lens), with the
+// given query_start (device or host, as the batch's other pointers).
+PrefillBatch prefill_over(const DecodeBatch& b, const int32_t* query_start) {
+  PrefillBatch pb;
+  pb.q = b.q;
+  pb.heads = b.heads;
+  pb.block_table = b.block_table;
+  pb.num_requests = b.num_requests;
+  pb.max_pages = b.max_pages;
+  pb.seq_lens = b.seq_lens;
+  pb.query_start = query_start;
+  return pb;
+}
+
 }  // namespace
 
 // The scores of the mode against the fp64 reference of the same k_hat and queries: within
@@ -181,14 +195,7 @@ TEST_P(GpuFp8MmaForm, EveryScorerGivesTheSameBits) {
     std::vector<int32_t> qs(s.req.seq_lens.size() + 1);
     for (size_t b = 0; b <= s.req.seq_lens.size(); ++b) qs[b] = static_cast<int32_t>(b) * Q;
     DevArr<int32_t> dqs(qs);
-    PrefillBatch pb;
-    pb.q = d.b.q;
-    pb.heads = H;
-    pb.block_table = d.b.block_table;
-    pb.num_requests = d.b.num_requests;
-    pb.max_pages = d.b.max_pages;
-    pb.seq_lens = d.b.seq_lens;
-    pb.query_start = dqs.get();
+    const PrefillBatch pb = prefill_over(d.b, dqs.get());
     DevArr<float> ps(static_cast<size_t>(rows) * H * mb);
     cuda::prefill_scores(repl[0], 0, pb, rows, Q, 0, H, ps.get(), nullptr, prec);
     CUDA_OK(cudaDeviceSynchronize());
@@ -328,16 +335,9 @@ TEST(GpuFp8Mma, ConfigReachesThePlansAndBadModesAreRefused) {
   refused([&] {
     cuda::decode_scores(repl[0], 0, d.b, 0, H, KRounding::kE4m3, sc.get(), nullptr, true, static_cast<ScorePrecision>(5));
   }, "indexer_score_precision = 5");
-  refused([&] {
-    PrefillBatch pb;
-    pb.q = d.b.q;
-    pb.heads = H;
-    pb.block_table = d.b.block_table;
-    pb.num_requests = d.b.num_requests;
-    pb.max_pages = d.b.max_pages;
-    pb.seq_lens = d.b.seq_lens;
-    pb.query_start = d.b.seq_lens;  // not read: the mode is refused first
-    cuda::prefill_scores(repl[0], 0, pb, rows, Q, 0, H, sc.get(), nullptr, static_cast<ScorePrecision>(5));
+  refused([&] {  // (query_start is not read: the mode is refused first)
+    cuda::prefill_scores(repl[0], 0, prefill_over(d.b, d.b.seq_lens), rows, Q, 0, H, sc.get(), nullptr,
+                         static_cast<ScorePrecision>(5));
   }, "indexer_score_precision = 5");
   for (float v : sc.host()) ASSERT_EQ(v, 7.0f) << "a refused call wrote its output";
   cuda::DecodeShape shape;
@@ -386,7 +386,6 @@ TEST(GpuFp8Mma, EveryPathSelectsWhatItsModeScores) {
   sel.topk = 2;
   // [rows = 1, H = 2, K = 2], ascending ids: the chosen block, then the own block 3
   const std::vector<int32_t> pick32 = {0, 3, 0, 3}, pick8 = {1, 3, 1, 3};
-  auto per_head = [](const std::vector<int32_t>& out, const char*) { return out; };
   auto dev = device_shards(KvDtype::kFp8, req, 1, keys, slots);
   auto shards = device_shards(KvDtype::kFp8, req, W, keys, slots);
   DevDecode d(req, q, H, 1);
@@ -407,7 +406,7 @@ TEST(GpuFp8Mma, EveryPathSelectsWhatItsModeScores) {
     const std::string m = f8 ? " (fp8_mma)" : " (fp32)";
     DevArr<int32_t> o(static_cast<size_t>(H) * 2);
     cuda::decode_select(dev[0], 0, d.b, 0, H, sel, KRounding::kE4m3, o.get(), nullptr, true, prec);
-    EXPECT_EQ(per_head(o.host(), "decode_select"), want) << "decode_select" << m;
+    EXPECT_EQ(o.host(), want) << "decode_select" << m;
     cuda::DecodeShape shape;
     shape.max_requests = 1;
     shape.max_pages = req.max_pages;
@@ -421,7 +420,7 @@ TEST(GpuFp8Mma, EveryPathSelectsWhatItsModeScores) {
       if (path == cuda::DecodePath::kIcp) cuda::DecodeStep(cs, W, 0, shape, path).run(d.b, os.get(), nullptr);
       else cuda::DecodeStep({&dev[0]}, W, 0, shape, path).run(d.b, os.get(), nullptr);
       CUDA_OK(cudaDeviceSynchronize());
-      EXPECT_EQ(per_head(os.host(), "DecodeStep"), want) << "DecodeStep path " << static_cast<int>(path) << m;
+      EXPECT_EQ(os.host(), want) << "DecodeStep path " << static_cast<int>(path) << m;
     }
     // the TpIndexer's plans from a resolved config: decode (ICP) and the three prefill paths
     for (const char* cp : {"gather", "local_score", "off"}) {
@@ -436,18 +435,11 @@ TEST(GpuFp8Mma, EveryPathSelectsWhatItsModeScores) {
       ep.heads = H;
       auto ix = make_tp_indexer("cuda", resolve_config(ac, ep), req.num_pages);
       ix->insert(keys.data(), slots.data(), static_cast<int64_t>(slots.size()), 1.0f);
-      EXPECT_EQ(per_head(ix->decode(host_batch(req, q, H, 1), sel, nullptr), "decode"), want)
+      EXPECT_EQ(ix->decode(host_batch(req, q, H, 1), sel, nullptr), want)
           << "TpIndexer decode, prefill_cp " << cp << m;
       const std::vector<int32_t> qs = {0, 1};
-      PrefillBatch pb;
-      pb.q = q.data();
-      pb.heads = H;
-      pb.block_table = req.block_table.data();
-      pb.num_requests = 1;
-      pb.max_pages = req.max_pages;
-      pb.seq_lens = req.seq_lens.data();
-      pb.query_start = qs.data();
-      EXPECT_EQ(per_head(ix->prefill(pb, sel, nullptr), "prefill"), want) << "TpIndexer prefill " << cp << m;
+      const PrefillBatch pb = prefill_over(host_batch(req, q, H, 1), qs.data());
+      EXPECT_EQ(ix->prefill(pb, sel, nullptr), want) << "TpIndexer prefill " << cp << m;
     }
   }
 }
