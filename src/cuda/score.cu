@@ -23,6 +23,10 @@
 //     bytes become fp16 pairs through cvt.rn.f16x2.e4m3x2 (exact).
 //   - FP8 keys (cache or staged): the same conversion of the stored bytes.
 //   - NVFP4, exact rounding: fp16 of |e2m1| by prmt, sign, times the scale (hmul2, exact).
+// indexer_score_precision "fp8_mma" (template flag M8): the signed E4M3 bytes (the table's for
+// NVFP4 with E4M3 rounding, the stored ones for FP8 keys) go unconverted to the FP8 tensor cores,
+// wgmma m64nNk32.e4m3 at every width, the queries as raw E4M3 bytes in the same core-matrix
+// layout (form.hpp, form8_dim; docs/precision.md for the accuracy of the mode).
 #include <cuda_fp16.h>
 
 #include <cub/block/block_scan.cuh>
