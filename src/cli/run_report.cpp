@@ -197,8 +197,9 @@ std::string run_table(const RunOptions& o, const Data& data, const Workload& w, 
     os << "\n";
   }
   if (any_fp8)
-    os << "!=fp32: share of (row, head) selections that differ from the fp32 mode's (fp8_mma rows; the cpu "
-          "backend computes exact scores in both modes)\n";
+    os << "!=fp32: share of (row, head) selections that differ from the fp32 mode's replicated run of the same "
+          "kv_dtype (fp8_mma rows; - where the grid has no fp32 run of it; the cpu backend computes exact scores in "
+          "both modes)\n";
   {  // how the times were taken (the same for every configuration of one backend)
     std::string dt, pt;
     for (const auto& c : configs) {
