@@ -102,6 +102,20 @@ struct DevDecode {
   }
 };
 
+/// A DecodeShape with the given geometry (selection parameters at their defaults).
+inline cuda::DecodeShape decode_shape(int32_t max_requests, int32_t max_pages, int32_t Q, int32_t H,
+                                      KRounding mode = KRounding::kE4m3,
+                                      ScorePrecision precision = ScorePrecision::kFp32) {
+  cuda::DecodeShape shape;
+  shape.max_requests = max_requests;
+  shape.max_pages = max_pages;
+  shape.query_len = Q;
+  shape.heads = H;
+  shape.mode = mode;
+  shape.precision = precision;
+  return shape;
+}
+
 inline DecodeBatch host_batch(const Requests& r, const std::vector<uint8_t>& q, int32_t heads, int32_t Q) {
   DecodeBatch b;
   b.q = q.data();

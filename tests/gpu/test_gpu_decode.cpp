@@ -39,18 +39,6 @@ std::vector<int32_t> select_from_scores(const std::vector<float>& sc, const std:
   return out;
 }
 
-// A DecodeShape with the given geometry (selection parameters at their defaults).
-cuda::DecodeShape decode_shape(int32_t max_requests, int32_t max_pages, int32_t Q, int32_t H,
-                               KRounding mode = KRounding::kE4m3) {
-  cuda::DecodeShape shape;
-  shape.max_requests = max_requests;
-  shape.max_pages = max_pages;
-  shape.query_len = Q;
-  shape.heads = H;
-  shape.mode = mode;
-  return shape;
-}
-
 // One decode step (DecodeStep, one stream) over `caches` (one per rank, or one replicated
 // cache): the selections on the host, int32 [rows, heads, K]. *stock, when given, is whether
 // rank 0 used the stock scorer.

@@ -102,6 +102,22 @@ PrefillBatch prefill_over(const DecodeBatch& b, const int32_t* query_start) {
   return pb;
 }
 
+// The resolved config of a TP group (resolve_config; Error on a refused combination).
+ResolvedConfig resolved(KvDtype dt, bool sharding, PrefillCp prefill_cp, ScorePrecision prec, int32_t W, int32_t P,
+                        int32_t H, int32_t Q) {
+  AttentionConfig ac;
+  ac.kv_dtype = dt;
+  ac.cache_sharding = sharding;
+  ac.prefill_cp = prefill_cp;
+  ac.score_precision = prec;
+  EngineParams ep;
+  ep.tp = W;
+  ep.page_size = P;
+  ep.heads = H;
+  ep.query_len = Q;
+  return resolve_config(ac, ep);
+}
+
 }  // namespace
 
 // The scores of the mode against the fp64 reference of the same k_hat and queries: within
@@ -222,12 +238,7 @@ TEST_P(GpuFp8MmaForm, EveryScorerGivesTheSameBits) {
     select_topk(bs, decode_rows(host_batch(s.req, q, H, Q), s.req.num_pages, P), sel, cpu.data());
     EXPECT_EQ(r, cpu) << "the GPU selection differs from select_topk on the GPU's own fp8_mma scores";
   }
-  cuda::DecodeShape shape;
-  shape.max_requests = d.b.num_requests;
-  shape.max_pages = s.req.max_pages;
-  shape.query_len = Q;
-  shape.heads = H;
-  shape.precision = kF8;
+  const cuda::DecodeShape shape = decode_shape(d.b.num_requests, s.req.max_pages, Q, H, KRounding::kE4m3, kF8);
   std::vector<const cuda::DeviceCache*> cs;
   for (auto& c : shards) cs.push_back(&c);
   DevArr<int32_t> o_icp(n), o_cp(n), o_step(n);
@@ -299,16 +310,7 @@ TEST(GpuFp8Mma, ConfigReachesThePlansAndBadModesAreRefused) {
   const auto q = make_q(rows, H, 6u);
   DevDecode d(s.req, q, H, Q);
   const SelectionParams sel;
-  AttentionConfig ac;
-  ac.kv_dtype = KvDtype::kNvfp4;
-  ac.cache_sharding = true;
-  ac.score_precision = kF8;
-  EngineParams ep;
-  ep.tp = W;
-  ep.page_size = P;
-  ep.heads = H;
-  ep.query_len = Q;
-  const ResolvedConfig rc = resolve_config(ac, ep);
+  const ResolvedConfig rc = resolved(KvDtype::kNvfp4, true, PrefillCp::kGather, kF8, W, P, H, Q);
   // the CUDA TpIndexer (plans from rc) against decode_select in the mode, and the fp32 mode
   auto ix = make_tp_indexer("cuda", rc, s.req.num_pages);
   std::vector<float> keys = s.keys;
@@ -340,13 +342,7 @@ TEST(GpuFp8Mma, ConfigReachesThePlansAndBadModesAreRefused) {
                          static_cast<ScorePrecision>(5));
   }, "indexer_score_precision = 5");
   for (float v : sc.host()) ASSERT_EQ(v, 7.0f) << "a refused call wrote its output";
-  cuda::DecodeShape shape;
-  shape.max_requests = d.b.num_requests;
-  shape.max_pages = s.req.max_pages;
-  shape.query_len = Q;
-  shape.heads = H;
-  shape.mode = KRounding::kExact;
-  shape.precision = kF8;
+  const cuda::DecodeShape shape = decode_shape(d.b.num_requests, s.req.max_pages, Q, H, KRounding::kExact, kF8);
   refused([&] { cuda::DecodeStep({&repl[0]}, W, 0, shape, cuda::DecodePath::kReplicated); }, "indexer_k_rounding");
   // an FP8 cache ignores the rounding (a note in the config): fp8_mma with kExact is accepted there
   auto f8c = device_shards(KvDtype::kFp8, s.req, 1, s.keys, s.slots);
@@ -407,13 +403,8 @@ TEST(GpuFp8Mma, EveryPathSelectsWhatItsModeScores) {
     DevArr<int32_t> o(static_cast<size_t>(H) * 2);
     cuda::decode_select(dev[0], 0, d.b, 0, H, sel, KRounding::kE4m3, o.get(), nullptr, true, prec);
     EXPECT_EQ(o.host(), want) << "decode_select" << m;
-    cuda::DecodeShape shape;
-    shape.max_requests = 1;
-    shape.max_pages = req.max_pages;
-    shape.query_len = 1;
-    shape.heads = H;
+    cuda::DecodeShape shape = decode_shape(1, req.max_pages, 1, H, KRounding::kE4m3, prec);
     shape.sel = sel;
-    shape.precision = prec;
     std::vector<const cuda::DeviceCache*> cs = {&shards[0], &shards[1]};
     for (const auto path : {cuda::DecodePath::kReplicated, cuda::DecodePath::kIcp, cuda::DecodePath::kDecodeCp}) {
       DevArr<int32_t> os(static_cast<size_t>(H) * 2);
@@ -424,16 +415,10 @@ TEST(GpuFp8Mma, EveryPathSelectsWhatItsModeScores) {
     }
     // the TpIndexer's plans from a resolved config: decode (ICP) and the three prefill paths
     for (const char* cp : {"gather", "local_score", "off"}) {
-      AttentionConfig ac;
-      ac.kv_dtype = KvDtype::kFp8;
-      ac.cache_sharding = std::string(cp) != "off";
-      ac.prefill_cp = std::string(cp) == "local_score" ? PrefillCp::kLocalScore : PrefillCp::kGather;
-      ac.score_precision = prec;
-      EngineParams ep;
-      ep.tp = W;
-      ep.page_size = P;
-      ep.heads = H;
-      auto ix = make_tp_indexer("cuda", resolve_config(ac, ep), req.num_pages);
+      const ResolvedConfig rc = resolved(KvDtype::kFp8, std::string(cp) != "off",
+                                         std::string(cp) == "local_score" ? PrefillCp::kLocalScore : PrefillCp::kGather,
+                                         prec, W, P, H, 1);
+      auto ix = make_tp_indexer("cuda", rc, req.num_pages);
       ix->insert(keys.data(), slots.data(), static_cast<int64_t>(slots.size()), 1.0f);
       EXPECT_EQ(ix->decode(host_batch(req, q, H, 1), sel, nullptr), want)
           << "TpIndexer decode, prefill_cp " << cp << m;
