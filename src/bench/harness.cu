@@ -86,10 +86,14 @@ double measure_copy_bandwidth(cudaStream_t st) {
   return stats(v).median;
 }
 
-// Dense E4M3 x E4M3 -> bf16 GEMM (fp32 accumulation), M = N = K = 8192, through cuBLASLt: the
-// device's FP8 matrix rate, in TFLOP/s. 0 with a note when cuBLASLt offers no algorithm.
-double measure_fp8_tflops(cudaStream_t st, std::string* note) {
+// A dense GEMM, M = N = K = 8192, through cuBLASLt (fp32 accumulation): fp16 = false, E4M3 x E4M3
+// -> bf16 (the device's FP8 matrix rate); fp16 = true, fp16 x fp16 -> fp16 (the fp16 dense rate,
+// the ceiling of the fp32-mode prefill scorer's fp16 MMA). In TFLOP/s; 0 with a note when
+// cuBLASLt offers no algorithm.
+double measure_matrix_tflops(bool fp16, cudaStream_t st, std::string* note) {
   const int64_t n = 8192;
+  const size_t eb = fp16 ? 2 : 1;  // bytes per A / B element
+  const cudaDataType_t ab = fp16 ? CUDA_R_16F : CUDA_R_8F_E4M3, dt = fp16 ? CUDA_R_16F : CUDA_R_16BF;
   cublasLtHandle_t h = nullptr;
   if (cublasLtCreate(&h) != CUBLAS_STATUS_SUCCESS) {
     *note = "cublasLtCreate failed";
@@ -97,12 +101,12 @@ double measure_fp8_tflops(cudaStream_t st, std::string* note) {
   }
   void *A = nullptr, *B = nullptr, *D = nullptr, *ws = nullptr;
   const size_t ws_bytes = size_t{64} << 20;
-  ck(cudaMalloc(&A, n * n), "cudaMalloc (fp8 A)");
-  ck(cudaMalloc(&B, n * n), "cudaMalloc (fp8 B)");
-  ck(cudaMalloc(&D, n * n * 2), "cudaMalloc (fp8 D)");
+  ck(cudaMalloc(&A, n * n * eb), "cudaMalloc (GEMM A)");
+  ck(cudaMalloc(&B, n * n * eb), "cudaMalloc (GEMM B)");
+  ck(cudaMalloc(&D, n * n * 2), "cudaMalloc (GEMM D)");
   ck(cudaMalloc(&ws, ws_bytes), "cudaMalloc (cublasLt workspace)");
-  ck(cudaMemsetAsync(A, 0x30, n * n, st), "cudaMemsetAsync");  // E4M3 0.5
-  ck(cudaMemsetAsync(B, 0x30, n * n, st), "cudaMemsetAsync");
+  ck(cudaMemsetAsync(A, 0x30, n * n * eb, st), "cudaMemsetAsync");  // E4M3 0.5; fp16 0x3030 = 0.13
+  ck(cudaMemsetAsync(B, 0x30, n * n * eb, st), "cudaMemsetAsync");
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t la = nullptr, lb = nullptr, ld = nullptr;
   cublasLtMatmulPreference_t pref = nullptr;
@@ -111,9 +115,9 @@ double measure_fp8_tflops(cudaStream_t st, std::string* note) {
   const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;  // FP8 needs the "TN" form
   ok = ok && cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)) == CUBLAS_STATUS_SUCCESS;
   ok = ok && cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)) == CUBLAS_STATUS_SUCCESS;
-  ok = ok && cublasLtMatrixLayoutCreate(&la, CUDA_R_8F_E4M3, n, n, n) == CUBLAS_STATUS_SUCCESS;
-  ok = ok && cublasLtMatrixLayoutCreate(&lb, CUDA_R_8F_E4M3, n, n, n) == CUBLAS_STATUS_SUCCESS;
-  ok = ok && cublasLtMatrixLayoutCreate(&ld, CUDA_R_16BF, n, n, n) == CUBLAS_STATUS_SUCCESS;
+  ok = ok && cublasLtMatrixLayoutCreate(&la, ab, n, n, n) == CUBLAS_STATUS_SUCCESS;
+  ok = ok && cublasLtMatrixLayoutCreate(&lb, ab, n, n, n) == CUBLAS_STATUS_SUCCESS;
+  ok = ok && cublasLtMatrixLayoutCreate(&ld, dt, n, n, n) == CUBLAS_STATUS_SUCCESS;
   ok = ok && cublasLtMatmulPreferenceCreate(&pref) == CUBLAS_STATUS_SUCCESS;
   ok = ok && cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes,
                                                   sizeof(ws_bytes)) == CUBLAS_STATUS_SUCCESS;
@@ -122,7 +126,7 @@ double measure_fp8_tflops(cudaStream_t st, std::string* note) {
   ok = ok && cublasLtMatmulAlgoGetHeuristic(h, op, la, lb, ld, ld, pref, 1, &heur, &found) == CUBLAS_STATUS_SUCCESS &&
        found > 0;
   if (!ok) {
-    *note = "cuBLASLt offered no FP8 GEMM algorithm";
+    *note = fp16 ? "cuBLASLt offered no fp16 GEMM algorithm" : "cuBLASLt offered no FP8 GEMM algorithm";
   } else {
     const float alpha = 1.0f, beta = 0.0f;
     cudaEvent_t e0, e1;
@@ -143,7 +147,8 @@ double measure_fp8_tflops(cudaStream_t st, std::string* note) {
     cudaEventDestroy(e1);
     if (ok) {
       tflops = stats(v).median;
-      *note = "cuBLASLt E4M3 x E4M3 -> bf16, fp32 accumulate, 8192^3, median of 20";
+      *note = fp16 ? "cuBLASLt fp16 x fp16 -> fp16, fp32 accumulate, 8192^3, median of 20"
+                   : "cuBLASLt E4M3 x E4M3 -> bf16, fp32 accumulate, 8192^3, median of 20";
     } else {
       *note = "cublasLtMatmul failed";
     }
@@ -180,7 +185,7 @@ std::string driver_version() {
 
 }  // namespace
 
-Device::Device(bool measure_fp8) {
+Device::Device(bool measure_matrix) {
   if (!cuda::available())
     throw Error(ErrorCode::kUnsupported, "no CUDA GPU is visible: `indexcp bench` needs one");
   ck(cudaStreamCreateWithFlags(&st_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
@@ -192,7 +197,10 @@ Device::Device(bool measure_fp8) {
   flush_bytes_ = std::max<size_t>(size_t{256} << 20, static_cast<size_t>(l2) * 4);
   ck(cudaMalloc(&flush_, flush_bytes_), "cudaMalloc (L2 flush buffer)");
   copy_bw_ = measure_copy_bandwidth(st_);
-  if (measure_fp8) fp8_tflops_ = measure_fp8_tflops(st_, &fp8_note_);
+  if (measure_matrix) {
+    fp8_tflops_ = measure_matrix_tflops(false, st_, &fp8_note_);
+    fp16_tflops_ = measure_matrix_tflops(true, st_, &fp16_note_);
+  }
   cudaGraphExec_t empty = capture([&] {
     empty_kernel<<<1, 1, 0, st_>>>();
     ck(cudaGetLastError(), "empty kernel launch");
@@ -262,6 +270,8 @@ json record_header(const std::string& benchmark, const RunOptions& o, const Devi
   j["graph_launch_note"] = "median replay of a graph of one empty kernel, timed as the cells are (part of every median_us)";
   if (d.fp8_tflops() > 0) j["fp8_matrix_tflops"] = d.fp8_tflops();
   if (!d.fp8_note().empty()) j["fp8_matrix_note"] = d.fp8_note();
+  if (d.fp16_tflops() > 0) j["fp16_matrix_tflops"] = d.fp16_tflops();
+  if (!d.fp16_note().empty()) j["fp16_matrix_note"] = d.fp16_note();
   return j;
 }
 

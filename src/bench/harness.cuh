@@ -42,7 +42,8 @@ json timing_fields(const Combined& c);
 /// The GPU, its stream, the L2 flush buffer and the ceilings measured in this run.
 class Device {
  public:
-  explicit Device(bool measure_fp8 = true);
+  /// measure_matrix: also time the FP8 and fp16 dense GEMM rates (cuBLASLt, 8192^3).
+  explicit Device(bool measure_matrix = true);
   ~Device();
   Device(const Device&) = delete;
   Device& operator=(const Device&) = delete;
@@ -51,6 +52,8 @@ class Device {
   double copy_bandwidth_gbs() const { return copy_bw_; }
   double fp8_tflops() const { return fp8_tflops_; }  ///< 0 when it could not be measured
   const std::string& fp8_note() const { return fp8_note_; }
+  double fp16_tflops() const { return fp16_tflops_; }  ///< the fp16 dense rate; 0 when it could not be measured
+  const std::string& fp16_note() const { return fp16_note_; }
   /// The timing method's own cost (us): the median replay, timed as every cell is (L2 flushed,
   /// events around the launch), of a graph holding one empty kernel of one thread. Part of every
   /// cell's median; reported beside it, not subtracted (docs/decisions.md, "The graph launch in
@@ -107,8 +110,8 @@ class Device {
   cudaEvent_t a_ = nullptr, b_ = nullptr;
   void* flush_ = nullptr;
   size_t flush_bytes_ = 0;
-  double copy_bw_ = 0, fp8_tflops_ = 0, graph_launch_us_ = 0;
-  std::string fp8_note_;
+  double copy_bw_ = 0, fp8_tflops_ = 0, fp16_tflops_ = 0, graph_launch_us_ = 0;
+  std::string fp8_note_, fp16_note_;
 };
 
 /// Fields every record has (bench.md section 3) plus the method and the ceilings.

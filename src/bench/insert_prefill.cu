@@ -5,7 +5,9 @@
 #include <memory>
 
 #include "bench/harness.cuh"
+#include "indexcp/config.hpp"
 #include "indexcp/cuda.hpp"
+#include "indexcp/plan.hpp"
 #include "indexcp/error.hpp"
 
 namespace indexcp::bench {
@@ -99,12 +101,13 @@ bool prefill(const PrefillOptions& o) {
   const cudaStream_t st = dev.stream();
   const auto sst = reinterpret_cast<cuda::Stream>(st);
   const int32_t P = o.page_size, W = o.tp, H = o.heads, B = o.requests, T = o.chunk;
-  std::printf("device %s: copy bandwidth %.0f GB/s, FP8 matrix rate %.0f TFLOP/s\n", dev.name().c_str(),
-              dev.copy_bandwidth_gbs(), dev.fp8_tflops());
+  std::printf("device %s: copy bandwidth %.0f GB/s, FP8 matrix rate %.0f TFLOP/s, fp16 dense rate %.0f TFLOP/s\n",
+              dev.name().c_str(), dev.copy_bandwidth_gbs(), dev.fp8_tflops(), dev.fp16_tflops());
   const ScorePrecision prec = parse_score_precision(o.score_precision, "--score-precision");
   std::printf("gather prefill, TP%d simulated, P = %d, %d request(s), chunk of %d new tokens, H = %d, NVFP4, %s scores\n", W,
               P, B, T, H, o.score_precision.c_str());
-  Progress prog(static_cast<int>(o.contexts.size()) * 5, o.run.progress);
+  Progress prog(static_cast<int>(o.contexts.size()) * 6, o.run.progress);
+  auto frac = [](double tf, double rate) { return rate > 0 ? tf / rate : 0.0; };
   json results = json::array();
   for (const int32_t ctx : o.contexts) {
     const int32_t max_pages = (ctx + P - 1) / P;
@@ -197,11 +200,51 @@ bool prefill(const PrefillOptions& o) {
       const Combined c = repeat([&] { return dev.time_graph(g.e, o.run.replays); });
       const double tf = flops / (c.median * 1e-6) / 1e12;
       push({{"variant", "prefill_score"}, {"owned_heads", nh}, {"flops", flops}, {"tflops", tf},
-            {"fp8_matrix_fraction", dev.fp8_tflops() > 0 ? tf / dev.fp8_tflops() : 0.0}},
+            {"fp8_matrix_fraction", frac(tf, dev.fp8_tflops())}, {"fp16_matrix_fraction", frac(tf, dev.fp16_tflops())}},
            c);
-      std::printf("%-8s prefill scorer     %9.1f us  %8.1f TFLOP/s (%4.1f%% of the FP8 matrix rate)\n", cell.c_str(),
-                  c.median, tf, dev.fp8_tflops() > 0 ? 100.0 * tf / dev.fp8_tflops() : 0.0);
+      std::printf("%-8s prefill scorer     %9.1f us  %8.1f TFLOP/s (%4.1f%% of the FP8 matrix rate, %4.1f%% of fp16)\n",
+                  cell.c_str(), c.median, tf, 100.0 * frac(tf, dev.fp8_tflops()), 100.0 * frac(tf, dev.fp16_tflops()));
       prog.step(cell + " prefill scorer");
+    }
+    {  // 3b. score + select as one graph: the replicated one-rank plan (cuda::PrefillPlan, rank 0's heads)
+      AttentionConfig ac;
+      ac.kv_dtype = KvDtype::kNvfp4;
+      ac.score_precision = prec;
+      EngineParams ep;
+      ep.tp = W;
+      ep.page_size = P;
+      ep.heads = H;
+      const ResolvedConfig rc = resolve_config(ac, ep);
+      PrefillLimits lim;
+      lim.max_requests = B;
+      lim.max_pages = max_pages;
+      lim.max_rows = static_cast<int64_t>(B) * T;
+      lim.heads = H;
+      cuda::PrefillPlan plan(rc, 0, lim);
+      PrefillExtents ex;
+      ex.rows = static_cast<int64_t>(B) * T;
+      ex.max_rows_per_request = T;
+      DevicePrefillBatch db;
+      db.q = pb.q;
+      db.block_table = pb.block_table;
+      db.seq_lens = pb.seq_lens;
+      db.query_start = pb.query_start;
+      db.num_requests = B;
+      DeviceBuffer<uint8_t> ws(std::max<size_t>(plan.workspace_bytes(), 16));
+      DeviceBuffer<int32_t> out(static_cast<size_t>(B) * T * plan.num_heads() * 16);
+      Graph g(dev.capture([&] {
+        plan.run(repl, 0, db, ex, ws.get(), plan.workspace_bytes(), out.get(), nullptr, nullptr, sst);
+      }));
+      const Combined c = repeat([&] { return dev.time_graph(g.e, o.run.replays); });
+      const double tf = flops / (c.median * 1e-6) / 1e12;
+      push({{"variant", "prefill_plan_replicated"}, {"owned_heads", plan.num_heads()}, {"flops", flops}, {"tflops", tf},
+            {"fp8_matrix_fraction", frac(tf, dev.fp8_tflops())}, {"fp16_matrix_fraction", frac(tf, dev.fp16_tflops())},
+            {"note", "score + select of rank 0's heads as one CUDA graph: cuda::PrefillPlan::run, path replicated "
+                     "(the same scorer as prefill_score, then the selection)"}},
+           c);
+      std::printf("%-8s score+select graph %9.1f us  %8.1f TFLOP/s (cuda::PrefillPlan, replicated)\n", cell.c_str(),
+                  c.median, tf);
+      prog.step(cell + " prefill plan");
     }
     {  // 4. prefill_select end to end: validation (host copy of the batch) + scoring + selection
       const size_t nsel = static_cast<size_t>(B) * T * nh * 16;
@@ -212,12 +255,12 @@ bool prefill(const PrefillOptions& o) {
       });
       const double tf = flops / (c.median * 1e-6) / 1e12;
       push({{"variant", "prefill_score_select"}, {"owned_heads", nh}, {"flops", flops}, {"tflops", tf},
-            {"fp8_matrix_fraction", dev.fp8_tflops() > 0 ? tf / dev.fp8_tflops() : 0.0},
+            {"fp8_matrix_fraction", frac(tf, dev.fp8_tflops())},
             {"note", "events around the synchronous cuda::prefill_select: the host copy and validation of the batch "
                      "(q included) and the selection count too"}},
            c);
       std::printf("%-8s prefill_select     %9.1f us  %8.1f TFLOP/s (%4.1f%% of the FP8 matrix rate)\n", cell.c_str(),
-                  c.median, tf, dev.fp8_tflops() > 0 ? 100.0 * tf / dev.fp8_tflops() : 0.0);
+                  c.median, tf, 100.0 * frac(tf, dev.fp8_tflops()));
       prog.step(cell + " prefill_select");
     }
     {  // 5. the whole budgeted gather prefill, all W ranks (host threads), wall clock

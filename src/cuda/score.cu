@@ -55,7 +55,7 @@ __device__ uint2 g_khat_lut[256];
 // every NT in the sm_90a code, so that the one chain of 4 MMAs per tile is the same in every
 // scorer (the compute_90 PTX, without wgmma, multiplies them with mma.sync.m16n8k32).
 template <int MODE, int NT, bool STOCK, bool GATHER, bool M8>
-__global__ void __launch_bounds__(warps_of<MODE>() * 32, minb_of<MODE>()) score_kernel(const ScoreArgs a) {
+__global__ void __launch_bounds__(warps_of<MODE>() * 32, minb_of<MODE, NT>()) score_kernel(const ScoreArgs a) {
   constexpr int kWarps = warps_of<MODE>(), kThreads = kWarps * 32;
   constexpr bool WG = M8 ? static_cast<bool>(INDEXCP_HAVE_WGMMA) : kWgmmaTiles<NT>;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -315,15 +315,19 @@ __global__ void __launch_bounds__(warps_of<MODE>() * 32, minb_of<MODE>()) score_
     // The one score this lane writes at each flush (reduce_scatter_max): its query vector's
     // output row and head, and the blocks that are historical for that row (spec/indexer.md
     // section 2); olim = 0 when the lane writes nothing
-    int64_t obase = 0;
-    int32_t olim = 0;
-    {
-      const int v = scatter_value<2 * NT>(g);
+    constexpr int kOut = scatter_count<2 * NT>();  // scores a lane writes per flush (1, or 2 / 4 for NT = 8 / 16)
+    int64_t obase[kOut];
+    int32_t olim[kOut];
+#pragma unroll
+    for (int o = 0; o < kOut; ++o) {
+      obase[o] = 0;
+      olim[o] = 0;
+      const int v = scatter_value<2 * NT>(g) + o;
       const int32_t cc = scatter_writer<2 * NT>(g) ? scol[(v >> 1) * 8 + 2 * t4 + (v & 1)] : -1;
       if (cc >= 0) {
         const int32_t i = cc >> 6, hh = cc & 63;
-        olim = (ri.seq - ri.cnt + i) >> 7;
-        obase = ((static_cast<int64_t>(ri.row0) + i) * a.nh + hh) * a.max_blocks;
+        olim[o] = (ri.seq - ri.cnt + i) >> 7;
+        obase[o] = ((static_cast<int64_t>(ri.row0) + i) * a.nh + hh) * a.max_blocks;
       }
     }
     BFrags<NT> bq;
@@ -347,7 +351,9 @@ __global__ void __launch_bounds__(warps_of<MODE>() * 32, minb_of<MODE>()) score_
           v[2 * nt + 1] = rm[nt][1];
         }
         reduce_scatter_max<2 * NT>(v, g);
-        if (cur < olim) a.scores[obase + cur] = v[0] * kScale;  // historical for this row only
+#pragma unroll
+        for (int o = 0; o < kOut; ++o)
+          if (cur < olim[o]) a.scores[obase[o] + cur] = v[o] * kScale;  // historical for this row only
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) rm[nt][0] = rm[nt][1] = kNaN;
       };
@@ -442,7 +448,9 @@ template <int MODE, bool STOCK, bool GATHER, bool M8 = false>
 void launch_nt(int nt, const ScoreArgs& a, dim3 grid, cudaStream_t stream) {
   if (nt == 1) launch_t<MODE, 1, STOCK, GATHER, M8>(a, grid, stream);
   else if (nt == 2) launch_t<MODE, 2, STOCK, GATHER, M8>(a, grid, stream);
-  else launch_t<MODE, 4, STOCK, GATHER, M8>(a, grid, stream);
+  else if (nt == 4) launch_t<MODE, 4, STOCK, GATHER, M8>(a, grid, stream);
+  else if (nt == 8) launch_t<MODE, 8, STOCK, GATHER, M8>(a, grid, stream);
+  else launch_t<MODE, 16, STOCK, GATHER, M8>(a, grid, stream);
 }
 
 std::mutex g_tables_mu;
@@ -525,7 +533,13 @@ void launch_score(const ScoreLaunch& s, cudaStream_t stream) {
   }
   a.plan = plan;  // null when the plan is local and the caller gave no buffer
   const int64_t nvec_max = static_cast<int64_t>(s.max_rows_per_request) * s.nh;
-  const int nt = nvec_max <= 8 ? 1 : nvec_max <= 16 ? 2 : 4;
+  // query vectors per CTA: 8 NT, the fewest that hold a request's rows x heads, at most 128 (the
+  // prefill's GEMM-shaped tiles: each expanded key tile serves 128 query vectors). The
+  // INDEXCP_SCORE_MAX_NT knob caps NT (an experiment knob: 4 is the scorer before the wide tiles).
+  int nt_cap = kMaxNt;
+  if (const char* e = ::indexcp::detail::knob_env("INDEXCP_SCORE_MAX_NT")) nt_cap = std::clamp(std::atoi(e), 1, kMaxNt);
+  int nt = 1;
+  while (nt < nt_cap && nvec_max > nt * 8) nt *= 2;
   const int64_t gy = ceil_div(nvec_max, nt * 8);
   INDEXCP_REQUIRE(gy <= 65535, "score launch too large (rows of one request x heads)");
   const dim3 grid(1, static_cast<unsigned>(gy));

@@ -282,10 +282,11 @@ TEST(GpuIcp, ChunkTableWindowsRollOverInLongRequests) {
         << "ICP with one scorer CTA differs from replicated, W " << W;
 }
 
-// A head's scores must not depend on which heads share its launch. The scorer takes 8, 16 or 32
-// query vectors per CTA (Q x heads), and the sm_90a code multiplies 8 with mma.sync and 16 / 32
-// with wgmma (src/cuda/score.cu), so this pins that both compute every 16-product step to the same
-// bits: sharded == replicated depends on it wherever the ranks of a configuration score different
+// A head's scores must not depend on which heads share its launch. The scorer takes 8 to 128
+// query vectors per CTA (Q x the heads scored: 8, 16, 32 with Q = 8 and 4 heads; 16 .. 128 with
+// Q = 16 and 8 heads), and the sm_90a code multiplies 8 with mma.sync and 16 to 128 with wgmma
+// m64n16 .. m64n128 (src/cuda/score.cu), so this pins that all
+// of them compute every 16-product step to the same bits: sharded == replicated depends on it wherever the ranks of a configuration score different
 // head counts (replicated TP4 ranks score 1 head of Q = 8, ICP ranks all 4). Random data, so
 // nearly every fp32 addition rounds; every score (and every -Inf) is compared bit for bit, on
 // replicated caches and on shards (the general scorer with 1 and 2 chunks per half-stage).
@@ -294,40 +295,41 @@ class GpuHeadWidth : public ::testing::TestWithParam<std::tuple<KvDtype, KRoundi
 TEST_P(GpuHeadWidth, HeadScoresDoNotDependOnTheHeadsScoredWithThem) {
   REQUIRE_GPU();
   const auto [dt, mode, P, W] = GetParam();
-  const int32_t H = 4, Q = 8;
   auto s = scene({9000, 300, 20000, 4100, 129}, P, 31u + P + W);
   auto dev = device_shards(dt, s.req, W, s.keys, s.slots);
-  const int64_t rows = static_cast<int64_t>(s.req.seq_lens.size()) * Q;
-  const auto q = make_q(rows, H, 7u + W);
-  DevDecode d(s.req, q, H, Q);
-  const int64_t mb = static_cast<int64_t>(s.req.max_pages) * P / 128;
-  auto bits_of = [&](const cuda::DeviceCache& c, int32_t h0, int32_t nh) {
-    DevArr<float> sc(static_cast<size_t>(rows) * nh * mb);
-    cuda::decode_scores(c, 0, d.b, h0, nh, mode, sc.get(), nullptr);
-    const auto v = sc.host();
-    std::vector<uint32_t> b(v.size());
-    std::memcpy(b.data(), v.data(), v.size() * sizeof(float));
-    return b;
-  };
-  for (int32_t rank = 0; rank < W; ++rank) {
-    const auto all = bits_of(dev[rank], 0, H);  // 32 vectors per CTA
-    int64_t finite = 0;
-    for (const uint32_t b : all) finite += (b & 0x7f800000u) != 0x7f800000u;
-    EXPECT_GT(finite, rows * H * 8) << "too few scores to compare, rank " << rank;
-    for (const int32_t nh : {1, 2}) {  // 8 and 16 vectors per CTA
-      for (int32_t h0 = 0; h0 < H; h0 += nh) {
-        const auto part = bits_of(dev[rank], h0, nh);
-        int64_t differ = 0, first = -1;
-        for (int64_t r = 0; r < rows; ++r)
-          for (int32_t hh = 0; hh < nh; ++hh)
-            for (int64_t blk = 0; blk < mb; ++blk)
-              if (part[(r * nh + hh) * mb + blk] != all[(r * H + h0 + hh) * mb + blk]) {
-                if (first < 0) first = (r * H + h0 + hh) * mb + blk;
-                ++differ;
-              }
-        EXPECT_EQ(differ, 0) << "rank " << rank << ": heads " << h0 << ".." << h0 + nh - 1 << " scored " << nh
-                             << " at a time differ from all " << H << " at once in " << differ
-                             << " scores; first at index " << first << " of the [rows, heads, blocks] array";
+  for (const auto [Q, H] : {std::pair<int32_t, int32_t>{8, 4}, {16, 8}}) {
+    const int64_t rows = static_cast<int64_t>(s.req.seq_lens.size()) * Q;
+    const auto q = make_q(rows, H, 7u + W + Q);
+    DevDecode d(s.req, q, H, Q);
+    const int64_t mb = static_cast<int64_t>(s.req.max_pages) * P / 128;
+    auto bits_of = [&](const cuda::DeviceCache& c, int32_t h0, int32_t nh) {
+      DevArr<float> sc(static_cast<size_t>(rows) * nh * mb);
+      cuda::decode_scores(c, 0, d.b, h0, nh, mode, sc.get(), nullptr);
+      const auto v = sc.host();
+      std::vector<uint32_t> b(v.size());
+      std::memcpy(b.data(), v.data(), v.size() * sizeof(float));
+      return b;
+    };
+    for (int32_t rank = 0; rank < W; ++rank) {
+      const auto all = bits_of(dev[rank], 0, H);  // Q x H vectors per CTA
+      int64_t finite = 0;
+      for (const uint32_t b : all) finite += (b & 0x7f800000u) != 0x7f800000u;
+      EXPECT_GT(finite, rows * H * 8) << "too few scores to compare, rank " << rank;
+      for (int32_t nh = 1; nh < H; nh *= 2) {  // Q, 2 Q, .. H Q / 2 vectors per CTA
+        for (int32_t h0 = 0; h0 < H; h0 += nh) {
+          const auto part = bits_of(dev[rank], h0, nh);
+          int64_t differ = 0, first = -1;
+          for (int64_t r = 0; r < rows; ++r)
+            for (int32_t hh = 0; hh < nh; ++hh)
+              for (int64_t blk = 0; blk < mb; ++blk)
+                if (part[(r * nh + hh) * mb + blk] != all[(r * H + h0 + hh) * mb + blk]) {
+                  if (first < 0) first = (r * H + h0 + hh) * mb + blk;
+                  ++differ;
+                }
+          EXPECT_EQ(differ, 0) << "Q " << Q << ", rank " << rank << ": heads " << h0 << ".." << h0 + nh - 1 << " scored "
+                               << nh << " at a time differ from all " << H << " at once in " << differ
+                               << " scores; first at index " << first << " of the [rows, heads, blocks] array";
+        }
       }
     }
   }

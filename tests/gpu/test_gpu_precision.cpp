@@ -189,19 +189,26 @@ TEST_P(GpuFp8MmaForm, EveryScorerGivesTheSameBits) {
   DevDecode d(s.req, q, H, Q);
   const int64_t mb = static_cast<int64_t>(s.req.max_pages) * P / 128;
 
-  // head widths, replicated and on rank 0's shard
-  for (const cuda::DeviceCache* c : {&repl[0], &shards[0]}) {
-    const auto all = bits_of(decode_scores_of(*c, d.b, 0, H, kF8));
-    for (const int32_t nh : {1, 2})
-      for (int32_t h0 = 0; h0 < H; h0 += nh) {
-        const auto part = bits_of(decode_scores_of(*c, d.b, h0, nh, kF8));
-        int64_t differ = 0;
-        for (int64_t r = 0; r < rows; ++r)
-          for (int32_t hh = 0; hh < nh; ++hh)
-            for (int64_t b = 0; b < mb; ++b) differ += part[(r * nh + hh) * mb + b] != all[(r * H + h0 + hh) * mb + b];
-        EXPECT_EQ(differ, 0) << (c == &repl[0] ? "replicated" : "shard") << ": heads " << h0 << ".." << h0 + nh - 1
-                             << " scored " << nh << " at a time differ from all " << H << " at once";
-      }
+  // head widths, replicated and on rank 0's shard: with Q = 8 rows per request and 4 heads 8, 16
+  // and 32 vectors per CTA; with Q = 16 and 8 heads 16 .. 128 (the wide tiles m64n64 and m64n128
+  // that the prefill uses): the same heads get the same bits
+  for (const auto [Qw, Hw] : {std::pair<int32_t, int32_t>{Q, H}, {16, 8}}) {
+    const int64_t rows_w = static_cast<int64_t>(s.req.seq_lens.size()) * Qw;
+    const auto q_w = make_q(rows_w, Hw, 11u + W + (Qw == Q ? 0 : 2));
+    DevDecode d_w(s.req, q_w, Hw, Qw);
+    for (const cuda::DeviceCache* c : {&repl[0], &shards[0]}) {
+      const auto all = bits_of(decode_scores_of(*c, d_w.b, 0, Hw, kF8));
+      for (int32_t nh = 1; nh < Hw; nh *= 2)
+        for (int32_t h0 = 0; h0 < Hw; h0 += nh) {
+          const auto part = bits_of(decode_scores_of(*c, d_w.b, h0, nh, kF8));
+          int64_t differ = 0;
+          for (int64_t r = 0; r < rows_w; ++r)
+            for (int32_t hh = 0; hh < nh; ++hh)
+              for (int64_t b = 0; b < mb; ++b) differ += part[(r * nh + hh) * mb + b] != all[(r * Hw + h0 + hh) * mb + b];
+          EXPECT_EQ(differ, 0) << (c == &repl[0] ? "replicated" : "shard") << ", Q " << Qw << ": heads " << h0 << ".."
+                               << h0 + nh - 1 << " scored " << nh << " at a time differ from all " << Hw << " at once";
+        }
+    }
   }
 
   // decode and prefill of the same rows, in both modes: query_start in steps of Q, the same

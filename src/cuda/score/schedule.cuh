@@ -30,8 +30,11 @@ constexpr int kModeE4m3 = 0, kModeExact = 1, kModeFp8 = 2;
 template <int MODE>
 constexpr int warps_of() { return MODE == kModeFp8 ? 8 : INDEXCP_SCORE_WARPS; }
 static_assert(INDEXCP_SCORE_WARPS % 4 == 0 && INDEXCP_SCORE_WARPS > 0, "INDEXCP_SCORE_WARPS: whole warpgroups");
-template <int MODE>
-constexpr int minb_of() { return MODE == kModeFp8 ? 2 : INDEXCP_SCORE_MINB; }
+// NT = 8 and 16 (64 and 128 query vectors per CTA, the prefill) hold 32 and 64 fp32 accumulators
+// and 16 and 32 block maxima per thread: one CTA per multiprocessor, up to 255 registers.
+constexpr int kMaxNt = 16;
+template <int MODE, int NT>
+constexpr int minb_of() { return NT >= 8 ? 1 : MODE == kModeFp8 ? 2 : INDEXCP_SCORE_MINB; }
 
 struct ScoreArgs {
   KeySource keys;

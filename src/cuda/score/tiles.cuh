@@ -208,20 +208,24 @@ __device__ __forceinline__ void tile_frags8(const uint8_t* st, int rb, int g, in
 
 // The block maxima of a warp: lane (g, t4) holds V = 2 NT partial maxima, value v = 2 nt + jj for
 // column 8 nt + 2 t4 + jj, over rows g, g + 8 of its tiles. A reduce-scatter over the 8 lanes of
-// a column group (lane bits 4, 3, 2 = g bits 2, 1, 0; each step halves the values a lane keeps,
-// down to one) leaves in v[0] of lane (g, t4) the maximum over all 16
-// rows of value scatter_value<V>(g); scatter_writer<V>(g) marks one lane per value (3, 4, 7
-// shuffles for V = 2, 4, 8 instead of 6, 12, 24). Max is exact
-// and -0.0 == +0.0 in selection (spec/indexer.md section 3), so the order of the reduction does
-// not change any selection.
+// a column group (lane bits 4, 3, 2 = g bits 2, 1, 0; each step halves the values a lane keeps)
+// leaves in v[0 .. scatter_count<V>() - 1] of lane (g, t4) the maxima over all 16 rows of values
+// scatter_value<V>(g) + i; scatter_writer<V>(g) marks one lane per value (3, 4, 7 shuffles for
+// V = 2, 4, 8 instead of 6, 12, 24; V = 16, 32 (the prefill's 64 and 128 query vectors) end with
+// 2 and 4 values per lane after 14 and 28). Max is exact and -0.0 == +0.0 in selection
+// (spec/indexer.md section 3), so the order of the reduction does not change any selection.
+template <int V>
+__host__ __device__ constexpr int scatter_count() {
+  return V > 8 ? V / 8 : 1;
+}
 template <int V>
 __host__ __device__ constexpr int scatter_value(int g) {
   const int g2 = (g >> 2) & 1, g1 = (g >> 1) & 1, g0 = g & 1;
-  return V == 8 ? (g2 << 2 | g1 << 1 | g0) : V == 4 ? (g2 << 1 | g1) : g2;
+  return V >= 8 ? (g2 << 2 | g1 << 1 | g0) * scatter_count<V>() : V == 4 ? (g2 << 1 | g1) : g2;
 }
 template <int V>
 __host__ __device__ constexpr bool scatter_writer(int g) {
-  return V == 8 ? true : V == 4 ? (g & 1) == 0 : (g & 3) == 0;
+  return V >= 8 ? true : V == 4 ? (g & 1) == 0 : (g & 3) == 0;
 }
 template <int V>
 __device__ __forceinline__ void reduce_scatter_max(float (&v)[V], int g) {
