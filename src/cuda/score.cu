@@ -9,8 +9,9 @@
 // loop and each warp keeps one stage in flight while it computes another.
 //
 // Arithmetic: keys are expanded on the CUDA cores to fp16 and multiplied by the E4M3 queries
-// (exact in fp16) on the tensor cores with mma.sync.m16n8k16 (fp32 accumulation), or, for 16 or
-// 32 query vectors per CTA (NT = 2, 4) in the sm_90a code, with wgmma.m64n16k16 / m64n32k16 (A =
+// (exact in fp16) on the tensor cores with mma.sync.m16n8k16 (fp32 accumulation), or, for 16 to
+// 128 query vectors per CTA (NT = 2 .. 16; 64 and 128 are the prefill's wide tiles, one CTA per
+// multiprocessor) in the sm_90a code, with wgmma.m64nNk16, N = 8 NT (A =
 // the same fragments from registers, B = the query vectors in shared memory). A thread of a
 // quad holds 32 consecutive dimensions of its two rows; the k order of the MMA is a fixed
 // permutation of the 128 dimensions (score/form.hpp, the dot-product form, tested on the CPU),
