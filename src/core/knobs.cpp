@@ -37,7 +37,8 @@ const std::vector<Knob>& knob_table() {
        "the query slices."},
       {"INDEXCP_SCORE_MAX_NT", K::kEnv, "16", "library (CUDA)",
        "1, 2, 4, 8 or 16: the most query vectors per scorer CTA, in units of 8 (an experiment knob, bench/NOTES.md; "
-       "4 is the prefill scorer before its 128-vector tiles); unset: 16."},
+       "4 is the prefill scorer before its 128-vector tiles; other values round down to one of these, a "
+       "non-number is ignored); unset: 16."},
       {"INDEXCP_SCORE_DEBUG", K::kEnv, "0", "library (CUDA)", "debug bits of the scorer kernel (development only)."},
       // ---- a rank of a multi-process group (set by indexcp launch; docs/multi-process.md)
       {"INDEXCP_WORLD", K::kEnv, "", "launcher -> rank",

@@ -538,7 +538,13 @@ void launch_score(const ScoreLaunch& s, cudaStream_t stream) {
   // prefill's GEMM-shaped tiles: each expanded key tile serves 128 query vectors). The
   // INDEXCP_SCORE_MAX_NT knob caps NT (an experiment knob: 4 is the scorer before the wide tiles).
   int nt_cap = kMaxNt;
-  if (const char* e = ::indexcp::detail::knob_env("INDEXCP_SCORE_MAX_NT")) nt_cap = std::clamp(std::atoi(e), 1, kMaxNt);
+  if (const char* e = ::indexcp::detail::knob_env("INDEXCP_SCORE_MAX_NT")) {
+    const int v = std::atoi(e);  // rounded down to 1, 2, 4, 8 or 16; not a number: the default
+    if (v >= 1) {
+      nt_cap = 1;
+      while (nt_cap * 2 <= std::min(v, kMaxNt)) nt_cap *= 2;
+    }
+  }
   int nt = 1;
   while (nt < nt_cap && nvec_max > nt * 8) nt *= 2;
   const int64_t gy = ceil_div(nvec_max, nt * 8);

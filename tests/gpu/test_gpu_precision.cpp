@@ -171,7 +171,7 @@ INSTANTIATE_TEST_SUITE_P(All, GpuFp8MmaScores,
                                             ::testing::Values(Data::kRandom, Data::kWideRange, Data::kCancelling,
                                                               Data::kOutlier)));
 
-// One form in every scorer: the heads scored 1, 2 and 4 at a time (8, 16, 32 query vectors per CTA),
+// One form in every scorer: the heads scored 1, 2 and 4 at a time (8, 16, 32 query vectors per CTA; 16 to 128 with Q = 16 and 8 heads),
 // on replicated caches and on shards (general scorer), give the same bits; decode and prefill of
 // the same rows give the same bits (in the fp32 mode too); ICP and decode CP equal replicated; the selection equals the
 // CPU's select_topk on the kernel's own scores.
