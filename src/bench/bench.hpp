@@ -86,7 +86,10 @@ struct PrefillOptions {
   int heads = 4;
   int budget_mib = 256;   ///< indexer_prefill_gather_budget_mib
   std::string score_precision = "fp32";  ///< fp32 | fp8_mma (indexer_score_precision)
+  int layers = 57;        ///< sparse layers of the computed prompt line (MiniMax-M3: 57)
 };
+/// With --contexts T, 2T, .., nT (T = --chunk, n >= 2) the record also holds the computed prompt
+/// line: an nT-token prompt in n chunks, the sum of the n chunk positions' medians times --layers.
 bool prefill(const PrefillOptions& o);
 void validate(const PrefillOptions& o);
 

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstring>
 #include <cctype>
 #include <cmath>
 #include <cstdio>
@@ -219,6 +220,52 @@ Device::~Device() {
 std::string Device::name() const { return cuda::device_name(); }
 
 void Device::flush_l2(int i) { ck(cudaMemsetAsync(flush_, i & 0xff, flush_bytes_, st_), "cudaMemsetAsync (L2 flush)"); }
+
+cudaGraphExec_t Device::kernel_nodes_graph(cudaGraph_t g, const char* name_part, int* count) {
+  *count = 0;
+  size_t n = 0;
+  ck(cudaGraphGetNodes(g, nullptr, &n), "cudaGraphGetNodes");
+  std::vector<cudaGraphNode_t> nodes(n);
+  if (n > 0) ck(cudaGraphGetNodes(g, nodes.data(), &n), "cudaGraphGetNodes");
+  cudaGraph_t part = nullptr;
+  ck(cudaGraphCreate(&part, 0), "cudaGraphCreate");
+  cudaGraphNode_t prev = nullptr;
+  for (cudaGraphNode_t node : nodes) {
+    cudaGraphNodeType type;
+    ck(cudaGraphNodeGetType(node, &type), "cudaGraphNodeGetType");
+    if (type != cudaGraphNodeTypeKernel) continue;
+    cudaKernelNodeParams kp{};
+    ck(cudaGraphKernelNodeGetParams(node, &kp), "cudaGraphKernelNodeGetParams");
+    const char* name = nullptr;
+    if (cudaFuncGetName(&name, kp.func) != cudaSuccess || name == nullptr) {
+      cudaGetLastError();
+      continue;
+    }
+    if (std::strstr(name, name_part) == nullptr) continue;
+    cudaGraphNode_t added = nullptr;
+    ck(cudaGraphAddKernelNode(&added, part, prev ? &prev : nullptr, prev ? 1 : 0, &kp), "cudaGraphAddKernelNode");
+    prev = added;
+    ++*count;
+  }
+  cudaGraphExec_t e = nullptr;
+  if (*count > 0) ck(cudaGraphInstantiate(&e, part, 0), "cudaGraphInstantiate");
+  ck(cudaGraphDestroy(part), "cudaGraphDestroy");
+  return e;
+}
+
+void MirrorComm::all_gather(const void* send, void* recv, std::size_t bytes, void* stream) {
+  const auto st = static_cast<cudaStream_t>(stream);
+  for (int p = 0; p < world_; ++p)
+    ck(cudaMemcpyAsync(static_cast<uint8_t*>(recv) + p * bytes, send, bytes, cudaMemcpyDeviceToDevice, st),
+       "cudaMemcpyAsync (MirrorComm::all_gather)");
+  sent_ += bytes;
+}
+
+void MirrorComm::all_to_all(const void* send, void* recv, std::size_t bytes, void* stream) {
+  const auto st = static_cast<cudaStream_t>(stream);
+  ck(cudaMemcpyAsync(recv, send, world_ * bytes, cudaMemcpyDeviceToDevice, st), "cudaMemcpyAsync (MirrorComm::all_to_all)");
+  sent_ += world_ * bytes;
+}
 
 Stat Device::time_graph(cudaGraphExec_t exec, int n, Communicator* comm) {
   for (int i = 0; i < 3; ++i) ck(cudaGraphLaunch(exec, st_), "cudaGraphLaunch");

@@ -67,19 +67,31 @@ class Device {
   /// Captures fn()'s work on stream() into an executable graph.
   template <class Fn>
   cudaGraphExec_t capture(Fn&& fn) {
-    cudaGraph_t g = nullptr;
-    cudaGraphExec_t e;
-    ck(cudaStreamBeginCapture(st_, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
+    cudaGraphExec_t e = nullptr;
+    const cudaGraph_t g = capture_graph(fn);
+    const cudaError_t r = cudaGraphInstantiate(&e, g, 0);
+    cudaGraphDestroy(g);
+    ck(r, "cudaGraphInstantiate");
+    return e;
+  }
+  /// As capture(), and *part: an executable graph of only the kernel nodes of the captured graph
+  /// whose function name contains `name_part`, one after another in the order of
+  /// cudaGraphGetNodes, with their captured arguments (so they read what the whole graph's last
+  /// replay left in memory: replay the whole one first). *count: the matching nodes; none gives
+  /// *part = nullptr.
+  template <class Fn>
+  cudaGraphExec_t capture_with_part(Fn&& fn, const char* name_part, cudaGraphExec_t* part, int* count) {
+    cudaGraphExec_t e = nullptr;
+    const cudaGraph_t g = capture_graph(fn);
     try {
-      fn();
-    } catch (...) {  // leave the stream usable: end the capture, drop the partial graph
-      if (cudaStreamEndCapture(st_, &g) == cudaSuccess && g) cudaGraphDestroy(g);
-      cudaGetLastError();
+      ck(cudaGraphInstantiate(&e, g, 0), "cudaGraphInstantiate");
+      *part = kernel_nodes_graph(g, name_part, count);
+    } catch (...) {
+      if (e) cudaGraphExecDestroy(e);
+      cudaGraphDestroy(g);
       throw;
     }
-    ck(cudaStreamEndCapture(st_, &g), "cudaStreamEndCapture");
-    ck(cudaGraphInstantiate(&e, g, 0), "cudaGraphInstantiate");
-    ck(cudaGraphDestroy(g), "cudaGraphDestroy");
+    cudaGraphDestroy(g);
     return e;
   }
   /// Replays `exec` n times (after 3 warm-ups), L2 flushed before each, only the graph timed.
@@ -106,12 +118,46 @@ class Device {
   }
 
  private:
+  /// fn()'s work on stream(), captured (the caller destroys the graph).
+  template <class Fn>
+  cudaGraph_t capture_graph(Fn& fn) {
+    cudaGraph_t g = nullptr;
+    ck(cudaStreamBeginCapture(st_, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
+    try {
+      fn();
+    } catch (...) {  // leave the stream usable: end the capture, drop the partial graph
+      if (cudaStreamEndCapture(st_, &g) == cudaSuccess && g) cudaGraphDestroy(g);
+      cudaGetLastError();
+      throw;
+    }
+    ck(cudaStreamEndCapture(st_, &g), "cudaStreamEndCapture");
+    return g;
+  }
+  static cudaGraphExec_t kernel_nodes_graph(cudaGraph_t g, const char* name_part, int* count);
   cudaStream_t st_ = nullptr;
   cudaEvent_t a_ = nullptr, b_ = nullptr;
   void* flush_ = nullptr;
   size_t flush_bytes_ = 0;
   double copy_bw_ = 0, fp8_tflops_ = 0, fp16_tflops_ = 0, graph_launch_us_ = 0;
   std::string fp8_note_, fp16_note_;
+};
+
+/// Rank `rank` of `world` ranks simulated on one GPU, for timing one rank's plan as one graph:
+/// all_gather copies this rank's `bytes` into every rank's slot of recv, all_to_all block p to
+/// block p (cudaMemcpyAsync device to device on the stream: the bytes a real exchange delivers, on
+/// one GPU; NVLink / NCCL time is not measured, and the other ranks' data is this rank's).
+class MirrorComm : public Communicator {
+ public:
+  MirrorComm(int rank, int world) : rank_(rank), world_(world) {}
+  int rank() const override { return rank_; }
+  int world() const override { return world_; }
+  void all_gather(const void* send, void* recv, std::size_t bytes, void* stream) override;
+  void all_to_all(const void* send, void* recv, std::size_t bytes, void* stream) override;
+  std::size_t bytes_sent() const override { return sent_; }
+
+ private:
+  int rank_, world_;
+  std::size_t sent_ = 0;
 };
 
 /// Fields every record has (bench.md section 3) plus the method and the ceilings.

@@ -106,7 +106,7 @@ bool prefill(const PrefillOptions& o) {
   const ScorePrecision prec = parse_score_precision(o.score_precision, "--score-precision");
   std::printf("gather prefill, TP%d simulated, P = %d, %d request(s), chunk of %d new tokens, H = %d, NVFP4, %s scores\n", W,
               P, B, T, H, o.score_precision.c_str());
-  Progress prog(static_cast<int>(o.contexts.size()) * 6, o.run.progress);
+  Progress prog(static_cast<int>(o.contexts.size()) * 7, o.run.progress);
   auto frac = [](double tf, double rate) { return rate > 0 ? tf / rate : 0.0; };
   json results = json::array();
   for (const int32_t ctx : o.contexts) {
@@ -246,6 +246,78 @@ bool prefill(const PrefillOptions& o) {
                   c.median, tf);
       prog.step(cell + " prefill plan");
     }
+    {  // 3c. rank 0's whole gather prefill as one graph (cuda::PrefillPlan, path gather: unit lists,
+       // staging, the all-gather through MirrorComm, score, select), and its scorer alone: the
+       // score kernel node of that graph replayed by itself
+      AttentionConfig ac;
+      ac.kv_dtype = KvDtype::kNvfp4;
+      ac.score_precision = prec;
+      ac.cache_sharding = true;
+      ac.prefill_cp = PrefillCp::kGather;
+      ac.prefill_gather_budget_mib = o.budget_mib;
+      EngineParams ep;
+      ep.tp = W;
+      ep.page_size = P;
+      ep.heads = H;
+      const ResolvedConfig rc = resolve_config(ac, ep);
+      PrefillBatch hb = pb;  // the host copy of the batch's metadata, for its extents
+      hb.q = qh.data();
+      hb.block_table = bt.data();
+      hb.seq_lens = seq.data();
+      hb.query_start = qs.data();
+      const PrefillExtents ex = prefill_extents(hb, P);
+      PrefillLimits lim;
+      lim.max_requests = B;
+      lim.max_pages = max_pages;
+      lim.max_rows = ex.rows;
+      lim.heads = H;
+      cuda::PrefillPlan plan(rc, 0, lim);
+      DevicePrefillBatch db;
+      db.q = pb.q;
+      db.block_table = pb.block_table;
+      db.seq_lens = pb.seq_lens;
+      db.query_start = pb.query_start;
+      db.num_requests = B;
+      DeviceBuffer<uint8_t> ws(std::max<size_t>(plan.workspace_bytes(), 16));
+      DeviceBuffer<int32_t> out(static_cast<size_t>(B) * T * plan.num_heads() * 16);
+      MirrorComm comm(0, W);
+      cudaGraphExec_t part = nullptr;
+      int nscore = 0;
+      Graph g(dev.capture_with_part(
+          [&] { plan.run(*shards[0], 0, db, ex, ws.get(), plan.workspace_bytes(), out.get(), &comm, nullptr, sst); },
+          "score_kernel", &part, &nscore));
+      Graph gpart(part);
+      const int64_t nchunks = plan.gather_chunks(ex);
+      const Combined c = repeat([&] { return dev.time_graph(g.e, o.run.replays); });
+      const double tf = flops / (c.median * 1e-6) / 1e12;
+      push({{"variant", "prefill_plan_gather"}, {"owned_heads", plan.num_heads()}, {"flops", flops}, {"tflops", tf},
+            {"fp8_matrix_fraction", frac(tf, dev.fp8_tflops())}, {"fp16_matrix_fraction", frac(tf, dev.fp16_tflops())},
+            {"chunks", nchunks}, {"gather_units", ex.gather_units},
+            {"note", "rank 0 of TP" + std::to_string(W) +
+                         ": cuda::PrefillPlan::run, path gather, as one CUDA graph (unit lists, FP8 staging, the "
+                         "all-gather, score, select); the all-gather is MirrorComm (device-to-device copies of this "
+                         "rank's staged rows into every slot on one GPU: NVLink/NCCL time is not measured)"}},
+           c);
+      std::printf("%-8s gather plan graph  %9.1f us  %8.1f TFLOP/s (cuda::PrefillPlan, gather, rank 0, %lld chunk(s))\n",
+                  cell.c_str(), c.median, tf, static_cast<long long>(nchunks));
+      if (gpart.e != nullptr && nscore == nchunks) {  // (the graph above was replayed: the workspace holds its data)
+        const Combined cs = repeat([&] { return dev.time_graph(gpart.e, o.run.replays); });
+        const double ts = flops / (cs.median * 1e-6) / 1e12;
+        push({{"variant", "prefill_gather_score"}, {"owned_heads", plan.num_heads()}, {"flops", flops}, {"tflops", ts},
+              {"fp8_matrix_fraction", frac(ts, dev.fp8_tflops())}, {"fp16_matrix_fraction", frac(ts, dev.fp16_tflops())},
+              {"kernels", nscore}, {"plan_over_scorer", c.median / cs.median},
+              {"note", "the score kernel node(s) of prefill_plan_gather's graph replayed alone (FP8 keys of the "
+                       "gathered rows)"}},
+             cs);
+        std::printf("%-8s gather scorer      %9.1f us  %8.1f TFLOP/s (%4.1f%% of FP8, %4.1f%% of fp16); plan / scorer %.2f\n",
+                    cell.c_str(), cs.median, ts, 100.0 * frac(ts, dev.fp8_tflops()), 100.0 * frac(ts, dev.fp16_tflops()),
+                    c.median / cs.median);
+      } else {
+        std::printf("%-8s gather scorer      not timed: %d score kernel node(s) in %lld chunk(s)\n", cell.c_str(), nscore,
+                    static_cast<long long>(nchunks));
+      }
+      prog.step(cell + " gather plan");
+    }
     {  // 4. prefill_select end to end: validation (host copy of the batch) + scoring + selection
       const size_t nsel = static_cast<size_t>(B) * T * nh * 16;
       DeviceBuffer<int32_t> out(nsel);
@@ -294,10 +366,38 @@ bool prefill(const PrefillOptions& o) {
       prog.step(cell + " gather prefill");
     }
   }
+  // The computed prompt line: with --contexts T, 2T, .., nT the chunks of one nT-token prompt, in
+  // order; per variant the sum of their medians, times the layers. Computed, not timed as one.
+  bool positions = o.contexts.size() >= 2;
+  for (size_t i = 0; i < o.contexts.size(); ++i)
+    positions = positions && static_cast<int64_t>(o.contexts[i]) == static_cast<int64_t>(T) * static_cast<int64_t>(i + 1);
+  if (positions) {
+    const int64_t n = static_cast<int64_t>(o.contexts.size());
+    for (const char* v : {"prefill_score", "prefill_plan_replicated", "prefill_gather_score", "prefill_plan_gather"}) {
+      double sum = 0;
+      int64_t found = 0;
+      for (const json& r : results)
+        if (r.value("variant", "") == v) {
+          sum += r.at("median_us").get<double>();
+          ++found;
+        }
+      if (found != n) continue;
+      results.push_back({{"variant", "prompt_computed"}, {"of", v}, {"prompt_tokens", n * T}, {"chunks", n}, {"chunk", T},
+                         {"layers", o.layers}, {"requests", B}, {"tp", W}, {"page_size", P}, {"kv_dtype", "nvfp4"},
+                         {"score_precision", o.score_precision}, {"per_layer_us", sum},
+                         {"per_prompt_ms", sum * o.layers / 1e3},
+                         {"note", "computed: the sum of the " + std::to_string(n) + " chunk positions' medians of " + v +
+                                      " (contexts T .. nT), times the layers; not timed as one run"}});
+      std::printf("prompt   %-24s %9.1f ms  computed: %lld-token prompt, %lld chunks of %d, %d layers (%.1f us per layer)\n",
+                  v, sum * o.layers / 1e3, static_cast<long long>(n * T), static_cast<long long>(n), T, o.layers, sum);
+    }
+  }
   json rec = record_header("prefill", o.run, dev,
                            "one GPU, TP" + std::to_string(W) +
-                               " ranks simulated; staging, all-gather and the prefill scorer as CUDA graphs, "
-                               "prefill_select with events around the synchronous call, the whole gather by wall clock "
+                               " ranks simulated; staging, all-gather, the prefill scorer and the replicated and "
+                               "gather plans of rank 0 as CUDA graphs (the gather's all-gather through MirrorComm), "
+                               "the gather scorer as the score kernel node of that graph alone, prefill_select with "
+                               "events around the synchronous call, the whole gather of all ranks by wall clock "
                                "(median of up to 20)");
   rec["results"] = results;
   write_record(rec, o.run);

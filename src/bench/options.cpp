@@ -70,6 +70,7 @@ void validate(const PrefillOptions& o) {
   INDEXCP_REQUIRE(o.budget_mib >= 1 && o.budget_mib <= 65536, "--budget-mib = " + s(o.budget_mib) + " is out of range 1..65536");
   INDEXCP_REQUIRE(o.score_precision == "fp32" || o.score_precision == "fp8_mma",
                   "--score-precision = " + o.score_precision + " is not one of fp32, fp8_mma");
+  INDEXCP_REQUIRE(o.layers >= 1 && o.layers <= 256, "--layers = " + s(o.layers) + " is out of range 1..256");
 }
 
 void validate(const StepOptions& o) {

@@ -103,6 +103,10 @@ CLI::App* BenchCommand::add(CLI::App& app) {
     c->add_option("--score-precision", m.p.score_precision, "indexer_score_precision: fp32, or fp8_mma (FP8 tensor cores)")
         ->check(CLI::IsMember({"fp32", "fp8_mma"}))
         ->capture_default_str();
+    c->add_option("--layers", m.p.layers,
+                  "sparse layers of the computed prompt line (with --contexts T,2T,..,nT for --chunk T)")
+        ->check(CLI::Range(1, 256))
+        ->capture_default_str();
   }
   {
     auto* c = m.step = m.bench->add_subcommand("step", "The whole decode step across all sparse layers, sharding off vs on");

@@ -75,17 +75,19 @@ __global__ void __launch_bounds__(warps_of<MODE>() * 32, minb_of<MODE, NT>()) sc
   // the plan (computed here for up to kPlanLocal requests: no separate kernel, no global loads in
   // the cursor), then this CTA's share of the work items of all requests
   const int32_t B = a.rows.num_requests;
+  const int32_t n0 = blockIdx.y * NT * 8;
+  // the local plan is this slice's: its work ends at its last row's historical blocks
+  const Slice sl = a.plan_local ? Slice{n0, (n0 + NT * 8 - 1) / a.nh} : Slice{};
   const int32_t* plan = a.plan;
   if (a.plan_local) {
     __shared__ typename cub::BlockScan<int32_t, kThreads>::TempStorage scan_tmp;
     int32_t* splan = reinterpret_cast<int32_t*>(meta + kWarps * kBuf * 4);  // [kPlanLocal + 1]
-    plan_block<GATHER, kThreads>(a, splan, scan_tmp);
+    plan_block<GATHER, kThreads>(a, sl, splan, scan_tmp);
     plan = splan;
   }
   const int64_t total = plan[B];
   const int64_t p0 = total * blockIdx.x / gridDim.x, p1 = total * (blockIdx.x + 1) / gridDim.x;
   if (p0 >= p1) return;
-  const int32_t n0 = blockIdx.y * NT * 8;
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
   if (MODE == kModeE4m3)
@@ -133,7 +135,7 @@ __global__ void __launch_bounds__(warps_of<MODE>() * 32, minb_of<MODE, NT>()) sc
       seg_of(b, &s0, &s1);
       if (s0 + warp < s1) {
         *c = Cursor{b, s0 + warp, s1, 0, 0, true, {}};
-        if constexpr (GATHER) c->ri = request_info(a, b);  // (read by the gather's copy issue only)
+        if constexpr (GATHER) c->ri = request_info(a, b, sl);  // (read by the gather's copy issue only)
         return;
       }
     }
@@ -167,7 +169,7 @@ __global__ void __launch_bounds__(warps_of<MODE>() * 32, minb_of<MODE, NT>()) sc
     const int32_t s = c.s + kWarps * ((kk >> 1) - (c.k >> 1));  // (c.h == c.k & 1)
     ChunkEnt e{-1, 0, nullptr, nullptr};
     Chunk ch;
-    if (s < c.end && half_chunk<STOCK, GATHER>(a, G, c.b, request_info(a, c.b), s, kk & 1, lane % nch, &ch)) {
+    if (s < c.end && half_chunk<STOCK, GATHER>(a, G, c.b, request_info(a, c.b, sl), s, kk & 1, lane % nch, &ch)) {
       e.block = ch.block;
       e.data = ch.data;
       e.scales = ch.scales;
@@ -248,7 +250,7 @@ __global__ void __launch_bounds__(warps_of<MODE>() * 32, minb_of<MODE, NT>()) sc
     int32_t s0, s1;
     seg_of(b, &s0, &s1);
     if (s0 >= s1) continue;
-    const ReqInfo ri = request_info(a, b);
+    const ReqInfo ri = request_info(a, b, sl);
     const int32_t nvec = ri.cnt * a.nh;
     // the query fragments of request b (every warp of the CTA takes part)
     __syncthreads();

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <set>
@@ -69,6 +70,33 @@ class DevArr {
  private:
   T* p_ = nullptr;
   size_t n_ = 0;
+};
+
+/// Sets or unsets an environment variable for the life of the object, then restores it.
+class ScopedEnv {
+ public:
+  explicit ScopedEnv(const char* name) : name_(name) {
+    if (const char* v = std::getenv(name)) {
+      had_ = true;
+      old_ = v;
+    }
+  }
+  ~ScopedEnv() {
+    if (had_) setenv(name_, old_.c_str(), 1);
+    else unsetenv(name_);
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+  /// Empty: unset.
+  void set(const std::string& v) {
+    if (v.empty()) unsetenv(name_);
+    else setenv(name_, v.c_str(), 1);
+  }
+
+ private:
+  const char* name_;
+  bool had_ = false;
+  std::string old_;
 };
 
 /// True when a captured graph holds a memory allocation or free node.

@@ -1,5 +1,7 @@
 // GPU FP8 staging (C07), replicated / gather / local_score prefill, prefill == decode on the
 // same keys, and the CUDA TpIndexer against the CPU one.
+#include <cstring>
+
 #include "gpu_util.hpp"
 #include "indexcp/config.hpp"
 #include "indexcp/error.hpp"
@@ -342,21 +344,32 @@ TEST(GpuPrefill, PrefillScoresEqualCpuAndReplayFromAGraph) {
       for (size_t b = 0; b + 1 < s.qs.size(); ++b) max_rows = std::max(max_rows, s.qs[b + 1] - s.qs[b]);
       const int64_t nrows = s.qs.back();
       DevArr<float> out(static_cast<size_t>(nrows) * nh * ref.max_blocks);
-      out.fill_bytes(0x7f);
-      cuda::prefill_scores(dev[0], 0, d.b, nrows, max_rows, h0, nh, out.get(), nullptr);
-      CUDA_OK(cudaDeviceSynchronize());
-      const auto g = out.host();
-      ASSERT_EQ(g.size(), ref.score.size());
-      int64_t valid = 0;
-      for (size_t i = 0; i < g.size(); ++i) {
-        if (ref.valid[i]) {
-          ++valid;
-          ASSERT_EQ(g[i], ref.score[i]) << to_string(dt) << " P" << P << " entry " << i;
-        } else {
-          ASSERT_TRUE(std::isinf(g[i]) && g[i] < 0) << to_string(dt) << " P" << P << " entry " << i << " = " << g[i];
+      // Every query slice of a CTA (8 NT vectors) scores only the blocks historical for its last
+      // row (score/schedule.cuh, Slice): 128 vectors per CTA (the default here: 700 rows x 2
+      // heads), 8 and 32 (slices of 4 and 16 rows, which end on every side of a block boundary of
+      // the 700-row request), and the plan in global memory, which does not cap the slices.
+      std::vector<float> g;
+      for (const char* variant : {"", "max_nt=1", "max_nt=4", "plan=kernel"}) {
+        ScopedEnv max_nt("INDEXCP_SCORE_MAX_NT"), plan_env("INDEXCP_SCORE_PLAN");
+        max_nt.set(std::strcmp(variant, "max_nt=1") == 0 ? "1" : std::strcmp(variant, "max_nt=4") == 0 ? "4" : "");
+        plan_env.set(std::strcmp(variant, "plan=kernel") == 0 ? "kernel" : "");
+        out.fill_bytes(0x7f);
+        cuda::prefill_scores(dev[0], 0, d.b, nrows, max_rows, h0, nh, out.get(), nullptr);
+        CUDA_OK(cudaDeviceSynchronize());
+        g = out.host();
+        ASSERT_EQ(g.size(), ref.score.size());
+        int64_t valid = 0;
+        for (size_t i = 0; i < g.size(); ++i) {
+          if (ref.valid[i]) {
+            ++valid;
+            ASSERT_EQ(g[i], ref.score[i]) << to_string(dt) << " P" << P << " " << variant << " entry " << i;
+          } else {
+            ASSERT_TRUE(std::isinf(g[i]) && g[i] < 0)
+                << to_string(dt) << " P" << P << " " << variant << " entry " << i << " = " << g[i];
+          }
         }
+        EXPECT_GT(valid, 1000);
       }
-      EXPECT_GT(valid, 1000);
       // the same from a CUDA graph, after the output was overwritten
       cudaStream_t st;
       CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));

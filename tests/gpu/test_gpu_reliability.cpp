@@ -196,33 +196,6 @@ const char* path_name(cuda::DecodePath p) {
   return p == cuda::DecodePath::kReplicated ? "replicated" : p == cuda::DecodePath::kIcp ? "icp" : "decode_cp";
 }
 
-/// Sets or unsets an environment variable for the life of the object, then restores it.
-class ScopedEnv {
- public:
-  explicit ScopedEnv(const char* name) : name_(name) {
-    if (const char* v = std::getenv(name)) {
-      had_ = true;
-      old_ = v;
-    }
-  }
-  ~ScopedEnv() {
-    if (had_) setenv(name_, old_.c_str(), 1);
-    else unsetenv(name_);
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-  /// Empty: unset.
-  void set(const std::string& v) {
-    if (v.empty()) unsetenv(name_);
-    else setenv(name_, v.c_str(), 1);
-  }
-
- private:
-  const char* name_;
-  bool had_ = false;
-  std::string old_;
-};
-
 cuda::Stream ist(cudaStream_t s) { return reinterpret_cast<cuda::Stream>(s); }
 
 }  // namespace

@@ -55,11 +55,21 @@ struct ScoreArgs {
 
 struct ReqInfo {
   int32_t seq, row0, cnt;
-  int32_t max_local;      // blocks b < max_local may be historical for some row
+  int32_t max_local;      // blocks b < max_local may be historical for some row of the slice
   int32_t npages_needed;  // logical pages holding those blocks
 };
 
-__device__ __forceinline__ ReqInfo request_info(const ScoreArgs& a, int32_t b) {
+// The query slice of a CTA (blockIdx.y): its query vectors v0 .. v0 + 8 NT - 1 of every request
+// (vector n = row * nh + head), so rows v0 / nh .. row_last. A row needs only its historical
+// blocks (spec/indexer.md section 2), so the slice's work ends at the blocks of its last row: a
+// prefill chunk's first slices skip the blocks only its later rows see (at 32K context and an
+// 8,192-row chunk about an eighth of the work). Slice{} (no cap) is the whole request: the plan
+// in global memory (plan_kernel) is shared by every slice and uses it.
+struct Slice {
+  int32_t v0 = 0, row_last = INT32_MAX;
+};
+
+__device__ __forceinline__ ReqInfo request_info(const ScoreArgs& a, int32_t b, const Slice& sl) {
   ReqInfo r;
   r.seq = a.rows.seq_lens[b];
   if (a.rows.query_start != nullptr) {
@@ -76,7 +86,14 @@ __device__ __forceinline__ ReqInfo request_info(const ScoreArgs& a, int32_t b) {
     return r;
   }
   const int32_t P = a.keys.layout.page_size;
-  int32_t ml = (r.seq - 1) / kBlockTokens;
+  if (static_cast<int64_t>(r.cnt) * a.nh <= sl.v0) {  // the slice holds no vector of this request
+    r.max_local = 0;
+    r.npages_needed = 0;
+    return r;
+  }
+  const int32_t last = r.cnt - 1 < sl.row_last ? r.cnt - 1 : sl.row_last;  // the slice's last row
+  int32_t ml = r.seq - r.cnt + last;  // its position; its historical blocks are those below ml / 128
+  ml = ml > 0 ? ml / kBlockTokens : 0;  // (seq - 1) / 128 for the request's last row
   const int32_t cap = static_cast<int32_t>(static_cast<int64_t>(a.max_pages) * P / kBlockTokens);
   if (ml > cap) ml = cap;  // never beyond the block table (validated batches never get here)
   r.max_local = ml;
@@ -185,16 +202,16 @@ __device__ __forceinline__ bool half_chunk(const ScoreArgs& a, const Geo& G, int
   return true;
 }
 
-// Prefix sums of work items per request (the plan; graph-safe: reads seq_lens at run time):
-// plan[0] = 0, plan[b + 1] = pairs of requests 0..b. THREADS threads of one CTA, all of them
+// Prefix sums of work items per request for the slice sl (the plan; graph-safe: reads seq_lens at
+// run time): plan[0] = 0, plan[b + 1] = pairs of requests 0..b. THREADS threads of one CTA, all of them
 // calling; ends with a barrier, so plan may be shared memory.
 template <bool GATHER, int THREADS>
-__device__ __forceinline__ void plan_block(const ScoreArgs& a, int32_t* plan,
+__device__ __forceinline__ void plan_block(const ScoreArgs& a, const Slice& sl, int32_t* plan,
                                            typename cub::BlockScan<int32_t, THREADS>::TempStorage& tmp) {
   int32_t carry = 0;
   for (int32_t base = 0; base < a.rows.num_requests; base += THREADS) {
     const int32_t b = base + static_cast<int32_t>(threadIdx.x);
-    const int32_t v = b < a.rows.num_requests ? num_pairs<GATHER>(a, request_info(a, b)) : 0;
+    const int32_t v = b < a.rows.num_requests ? num_pairs<GATHER>(a, request_info(a, b, sl)) : 0;
     int32_t incl, total;
     cub::BlockScan<int32_t, THREADS>(tmp).InclusiveSum(v, incl, total);
     if (b < a.rows.num_requests) plan[b + 1] = carry + incl;
@@ -209,7 +226,7 @@ __device__ __forceinline__ void plan_block(const ScoreArgs& a, int32_t* plan,
 template <bool GATHER>
 __global__ void __launch_bounds__(1024) plan_kernel(const ScoreArgs a, int32_t* plan) {
   __shared__ typename cub::BlockScan<int32_t, 1024>::TempStorage tmp;
-  plan_block<GATHER, 1024>(a, plan, tmp);
+  plan_block<GATHER, 1024>(a, Slice{}, plan, tmp);
 }
 
 
