@@ -33,8 +33,15 @@ static_assert(INDEXCP_SCORE_WARPS % 4 == 0 && INDEXCP_SCORE_WARPS > 0, "INDEXCP_
 // NT = 8 and 16 (64 and 128 query vectors per CTA, the prefill) hold 32 and 64 fp32 accumulators
 // and 16 and 32 block maxima per thread: one CTA per multiprocessor, up to 255 registers.
 constexpr int kMaxNt = 16;
+// INDEXCP_SCORE_WIDE_MINB: CTAs per multiprocessor at NT = 8 (an experiment knob, bench/NOTES.md
+// "Knobs"; 2 caps the registers at 128 per thread)
+#ifndef INDEXCP_SCORE_WIDE_MINB
+#define INDEXCP_SCORE_WIDE_MINB 1
+#endif
 template <int MODE, int NT>
-constexpr int minb_of() { return NT >= 8 ? 1 : MODE == kModeFp8 ? 2 : INDEXCP_SCORE_MINB; }
+constexpr int minb_of() {
+  return NT >= 16 ? 1 : NT == 8 ? INDEXCP_SCORE_WIDE_MINB : MODE == kModeFp8 ? 2 : INDEXCP_SCORE_MINB;
+}
 
 struct ScoreArgs {
   KeySource keys;
