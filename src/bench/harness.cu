@@ -229,6 +229,10 @@ cudaGraphExec_t Device::kernel_nodes_graph(cudaGraph_t g, const char* name_part,
   if (n > 0) ck(cudaGraphGetNodes(g, nodes.data(), &n), "cudaGraphGetNodes");
   cudaGraph_t part = nullptr;
   ck(cudaGraphCreate(&part, 0), "cudaGraphCreate");
+  struct Owned {  // destroys the new graph on every way out (it is instantiated below first)
+    cudaGraph_t g;
+    ~Owned() { cudaGraphDestroy(g); }
+  } owned{part};
   cudaGraphNode_t prev = nullptr;
   for (cudaGraphNode_t node : nodes) {
     cudaGraphNodeType type;
@@ -249,7 +253,6 @@ cudaGraphExec_t Device::kernel_nodes_graph(cudaGraph_t g, const char* name_part,
   }
   cudaGraphExec_t e = nullptr;
   if (*count > 0) ck(cudaGraphInstantiate(&e, part, 0), "cudaGraphInstantiate");
-  ck(cudaGraphDestroy(part), "cudaGraphDestroy");
   return e;
 }
 

@@ -300,7 +300,10 @@ bool prefill(const PrefillOptions& o) {
            c);
       std::printf("%-8s gather plan graph  %9.1f us  %8.1f TFLOP/s (cuda::PrefillPlan, gather, rank 0, %lld chunk(s))\n",
                   cell.c_str(), c.median, tf, static_cast<long long>(nchunks));
-      if (gpart.e != nullptr && nscore == nchunks) {  // (the graph above was replayed: the workspace holds its data)
+      // one chunk only: a replay of the score nodes alone reads what the last chunk left in the
+      // workspace (its unit list), so with several chunks each node would score the last one's
+      // units; the graph above was replayed, so the workspace holds that chunk's data
+      if (gpart.e != nullptr && nscore == 1 && nchunks == 1) {
         const Combined cs = repeat([&] { return dev.time_graph(gpart.e, o.run.replays); });
         const double ts = flops / (cs.median * 1e-6) / 1e12;
         push({{"variant", "prefill_gather_score"}, {"owned_heads", plan.num_heads()}, {"flops", flops}, {"tflops", ts},
@@ -313,7 +316,8 @@ bool prefill(const PrefillOptions& o) {
                     cell.c_str(), cs.median, ts, 100.0 * frac(ts, dev.fp8_tflops()), 100.0 * frac(ts, dev.fp16_tflops()),
                     c.median / cs.median);
       } else {
-        std::printf("%-8s gather scorer      not timed: %d score kernel node(s) in %lld chunk(s)\n", cell.c_str(), nscore,
+        std::printf("%-8s gather scorer      not timed: %d score kernel node(s) in %lld chunk(s) (one is timed alone)\n",
+                    cell.c_str(), nscore,
                     static_cast<long long>(nchunks));
       }
       prog.step(cell + " gather plan");

@@ -101,6 +101,8 @@ const std::vector<Knob>& knob_table() {
       // ---- CUDA preprocessor switches (experiments; bench/NOTES.md)
       {"INDEXCP_SCORE_WARPS", K::kMacro, "8", "build", "warps per CTA of the NVFP4 scorer (a multiple of 4)."},
       {"INDEXCP_SCORE_MINB", K::kMacro, "2", "build", "minimum CTAs per multiprocessor of the NVFP4 scorer (__launch_bounds__)."},
+      {"INDEXCP_SCORE_WIDE_MINB", K::kMacro, "1", "build",
+       "minimum CTAs per multiprocessor of the scorer at 64 query vectors per CTA (NT = 8; 2 caps it at 128 registers)."},
       {"INDEXCP_SCORE_WGMMA", K::kMacro, "1", "build", "0 builds the scorer without wgmma (mma.sync only)."},
       {"INDEXCP_SCORE_WGMMA_MIN_NT", K::kMacro, "2", "build", "the smallest tile width NT (8-vector groups) that uses wgmma."},
       {"INDEXCP_SCORE_WGMMA_NT1", K::kMacro, "0", "build", "1 lets NT = 1 tiles use wgmma too (this and INDEXCP_SCORE_WGMMA_MIN_NT do not apply to "
