@@ -35,11 +35,10 @@ const std::vector<Knob>& knob_table() {
       {"INDEXCP_SCORE_CTAS", K::kEnv, "", "library (CUDA)",
        "CTAs along x of the scorer's grid (an experiment knob, bench/NOTES.md); unset: two to four waves over "
        "the query slices."},
-      {"INDEXCP_SCORE_MAX_NT", K::kEnv, "32", "library (CUDA)",
-       "1, 2, 4, 8, 16 or 32: the most query vectors per scorer CTA, in units of 8, 32 meaning 128 in the split kernel "
-       "(an experiment knob, bench/NOTES.md; 4 is the prefill scorer before its 128-vector tiles, 16 those tiles "
-       "before the split kernel; other values round down to one of these, a non-number is ignored; 32 needs the "
-       "sm_90a code, else 16); unset: 32."},
+      {"INDEXCP_SCORE_MAX_NT", K::kEnv, "16", "library (CUDA)",
+       "1, 2, 4, 8 or 16: the most query vectors per scorer CTA, in units of 8 (an experiment knob, bench/NOTES.md; "
+       "4 is the prefill scorer before its 128-vector tiles; other values round down to one of these, a "
+       "non-number is ignored); unset: 16."},
       {"INDEXCP_SCORE_DEBUG", K::kEnv, "0", "library (CUDA)", "debug bits of the scorer kernel (development only)."},
       // ---- a rank of a multi-process group (set by indexcp launch; docs/multi-process.md)
       {"INDEXCP_WORLD", K::kEnv, "", "launcher -> rank",
@@ -104,7 +103,7 @@ const std::vector<Knob>& knob_table() {
       {"INDEXCP_SCORE_MINB", K::kMacro, "2", "build", "minimum CTAs per multiprocessor of the NVFP4 scorer (__launch_bounds__)."},
       {"INDEXCP_SCORE_WIDE_MINB", K::kMacro, "1", "build",
        "minimum CTAs per multiprocessor of the scorer at 64 query vectors per CTA (NT = 8; 2 caps it at 128 registers)."},
-      {"INDEXCP_SCORE_WGMMA", K::kMacro, "1", "build", "0 builds the scorer without wgmma (mma.sync only; no split kernel)."},
+      {"INDEXCP_SCORE_WGMMA", K::kMacro, "1", "build", "0 builds the scorer without wgmma (mma.sync only)."},
       {"INDEXCP_SCORE_WGMMA_MIN_NT", K::kMacro, "2", "build", "the smallest tile width NT (8-vector groups) that uses wgmma."},
       {"INDEXCP_SCORE_WGMMA_NT1", K::kMacro, "0", "build", "1 lets NT = 1 tiles use wgmma too (this and INDEXCP_SCORE_WGMMA_MIN_NT do not apply to "
                                                               "indexer_score_precision \"fp8_mma\", which uses wgmma at every width)."},

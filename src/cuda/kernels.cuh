@@ -153,9 +153,8 @@ void launch_poison_if(const uint32_t* status, int32_t* out, int64_t n, cudaStrea
 /// current device once. Call before any graph capture (DeviceCache's constructor does).
 /// (With `stream`: refuses, naming cuda::prepare_device, when the tables are missing and that
 /// stream is being captured, instead of a synchronous upload that would break the capture. A
-/// capture on another stream or thread is not detected: prepare_device first.) Returns whether the
-/// device runs the sm_90a code (wgmma), which the scorer's split kernel needs.
-bool ensure_tables(cudaStream_t stream = nullptr);
+/// capture on another stream or thread is not detected: prepare_device first.)
+void ensure_tables(cudaStream_t stream = nullptr);
 
 // ---- insert / q cast ----------------------------------------------------------------------
 

@@ -24,15 +24,6 @@
 //     bytes become fp16 pairs through cvt.rn.f16x2.e4m3x2 (exact).
 //   - FP8 keys (cache or staged): the same conversion of the stored bytes.
 //   - NVFP4, exact rounding: fp16 of |e2m1| by prmt, sign, times the scale (hmul2, exact).
-// The split kernel (128 query vectors per CTA, the prefill and wide decode batches; sm_90a only;
-// NT = 32 is its template tag): the expansion leaves the warps that multiply. Warps 0-3 (the load
-// warpgroup) run the cursor, the stage rings and the expansion as above, but store each pair's
-// fragments into a ring of key stages in shared memory (128 rows, the wgmma B layout) with full /
-// empty mbarriers; warps 4-11 (two math warpgroups) hold 64 query vectors each in registers as the
-// wgmma A operand (the transpose of the other kernels: queries x keys), multiply every stage with
-// one chain of m64n128, and take each block's maximum over its key columns. The k slots hold the
-// register-A tiles' words, so every score has the bits of the other kernels (tests/gpu:
-// GpuHeadWidth, GpuFp8MmaForm, GpuPrefill). bench/NOTES.md, v17.
 // indexer_score_precision "fp8_mma" (template flag M8): the signed E4M3 bytes (the table's for
 // NVFP4 with E4M3 rounding, the stored ones for FP8 keys) go unconverted to the FP8 tensor cores,
 // wgmma m64nNk32.e4m3 at every width, the queries as raw E4M3 bytes in the same core-matrix
@@ -46,7 +37,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
-#include <type_traits>
 #include <vector>
 
 #include "common.cuh"
@@ -61,61 +51,33 @@ namespace indexcp::cuda::detail {
 namespace {
 
 __device__ uint2 g_khat_lut[256];
-// 1 where the device code has wgmma (the sm_90a code), read by ensure_tables: the split kernel
-// (NT = 32) exists only there, so launch_score caps NT at 16 on the compute_90 PTX
-__device__ int g_have_wgmma = INDEXCP_HAVE_WGMMA;
 
 // M8: the fp8_mma form (indexer_score_precision "fp8_mma"): wgmma m64nNk32 on the E4M3 bytes for
 // every NT in the sm_90a code, so that the one chain of 4 MMAs per tile is the same in every
 // scorer (the compute_90 PTX, without wgmma, multiplies them with mma.sync.m16n8k32).
-// SPLIT (NT = 32, sm_90a; 128 query vectors per CTA): warps 0-3 run the cursor, the copies and
-// the key expansion: each pair (128 rows) of a load warp into one stage of a ring of key stages
-// (store_tile_keys: the register-A fragments of the other kernels, word for word, as the wgmma B
-// operand). Warps 4-11 are two math warpgroups whose 64 query vectors each sit in registers as the
-// A operand; every stage is one chain of wgmma m64n128 (keys as N), and a block's maximum is taken
-// over its key columns in registers and across the quad. Same k slots, same products, same order:
-// the scores have the bits of the other kernels (tests/gpu: GpuHeadWidth, GpuFp8MmaForm).
 template <int MODE, int NT, bool STOCK, bool GATHER, bool M8>
-__global__ void __launch_bounds__(warps_of<MODE, NT>() * 32, minb_of<MODE, NT>()) score_kernel(const ScoreArgs a) {
-  constexpr bool SPLIT = kSplit<NT>;
-  constexpr int kWarps = load_warps_of<MODE, NT>(), kThreads = warps_of<MODE, NT>() * 32;
-  constexpr int NTQ = SPLIT ? 16 : NT;  // query vectors per CTA / 8 (the split kernel: 128)
-  constexpr int kBuf = bufs_of<MODE, NT>(), kStages = stages_b_of<MODE, NT>();  // (kBuf shadows the default)
-  constexpr int kStageBytes = b_stage_bytes<M8>();
+__global__ void __launch_bounds__(warps_of<MODE>() * 32, minb_of<MODE, NT>()) score_kernel(const ScoreArgs a) {
+  constexpr int kWarps = warps_of<MODE>(), kThreads = kWarps * 32;
   constexpr bool WG = M8 ? static_cast<bool>(INDEXCP_HAVE_WGMMA) : kWgmmaTiles<NT>;
-#if !INDEXCP_HAVE_WGMMA
-  if constexpr (SPLIT) {  // never launched: launch_score caps NT at 16 without wgmma (have_wgmma)
-    __trap();
-    return;
-  }
-#endif
   extern __shared__ __align__(128) unsigned char smem[];
   constexpr int HALF = half_bytes<MODE>();
   constexpr int ROWB = MODE == kModeFp8 ? kHeadDim : kNvfp4DataBytesPerKey;
   constexpr float kScale = 1.0f;  // the fp16 operands hold the key values themselves
-  __shared__ int32_t scol[NTQ * 8];  // output columns of the CTA's query vectors (per request, the
+  __shared__ int32_t scol[NT * 8];  // output columns of the CTA's query vectors (per request, the
                                     // same for every warp): row * 64 + head, or -1
   uint8_t* stages = smem;
   uint2* lut = reinterpret_cast<uint2*>(smem + kWarps * kBuf * HALF);
-  uint2* qf = lut + 256;                                           // 8 * NTQ * 32: BFrags::index or wg_b_index
-  ChunkEnt* tab = reinterpret_cast<ChunkEnt*>(qf + 8 * NTQ * 32);       // [kWarps][2][kTab]
+  uint2* qf = lut + 256;                                           // 8 * NT * 32: BFrags::index or wg_b_index
+  ChunkEnt* tab = reinterpret_cast<ChunkEnt*>(qf + 8 * NT * 32);        // [kWarps][2][kTab]
   uint64_t* bars = reinterpret_cast<uint64_t*>(tab + kWarps * 2 * kTab);  // [kWarps][kBuf]
   int32_t* meta = reinterpret_cast<int32_t*>(bars + kWarps * kBuf);  // [kWarps][kBuf][4]: chunk blocks
-  // the split kernel's ring of expanded key stages (one pair of one load warp: 128 rows, the wgmma
-  // B operand), its barriers (full: the load warp arrived; empty: the 8 math warps are done with
-  // it) and the block of each 16-row group of a stage (-1: none)
-  unsigned char* kring = smem + split_offset<MODE, NT>();
-  uint64_t* kfull = reinterpret_cast<uint64_t*>(kring + kStages * b_stage_bytes<false>());
-  uint64_t* kempty = kfull + kStages;
-  int32_t* kmeta = reinterpret_cast<int32_t*>(kempty + kStages);  // [kStages][8]
-  const bool loader = !SPLIT || threadIdx.x < kWarps * 32;
 
   // the plan (computed here for up to kPlanLocal requests: no separate kernel, no global loads in
   // the cursor), then this CTA's share of the work items of all requests
   const int32_t B = a.rows.num_requests;
-  const int32_t n0 = blockIdx.y * NTQ * 8;
+  const int32_t n0 = blockIdx.y * NT * 8;
   // the local plan is this slice's: its work ends at its last row's historical blocks
-  const Slice sl = a.plan_local ? Slice{n0, (n0 + NTQ * 8 - 1) / a.nh} : Slice{};
+  const Slice sl = a.plan_local ? Slice{n0, (n0 + NT * 8 - 1) / a.nh} : Slice{};
   const int32_t* plan = a.plan;
   if (a.plan_local) {
     __shared__ typename cub::BlockScan<int32_t, kThreads>::TempStorage scan_tmp;
@@ -133,15 +95,8 @@ __global__ void __launch_bounds__(warps_of<MODE, NT>() * 32, minb_of<MODE, NT>()
   uint8_t* wst = stages + warp * kBuf * HALF;
   uint64_t* wbar = bars + warp * kBuf;
   int32_t* wmeta = meta + warp * kBuf * 4;
-  if (lane == 0 && loader) {
+  if (lane == 0) {
     for (int i = 0; i < kBuf; ++i) mbar_init(&wbar[i], 1);
-    mbar_fence_init();
-  }
-  if (SPLIT && threadIdx.x == 0) {
-    for (int i = 0; i < kStages; ++i) {
-      mbar_init(&kfull[i], 1);
-      mbar_init(&kempty[i], 8);
-    }
     mbar_fence_init();
   }
   // first request of the range
@@ -271,104 +226,190 @@ __global__ void __launch_bounds__(warps_of<MODE, NT>() * 32, minb_of<MODE, NT>()
   };
 
   Cursor pre;  // the prefetch cursor runs kBuf items ahead of the compute
-  pre.valid = false;
-  if (loader) first_of(b_first, &pre);
+  first_of(b_first, &pre);
   __syncthreads();  // barriers initialized, LUT loaded
+  // (the kBuf = 2 items of the prologue are the two halves of one pair: one window)
   if (pre.valid) refill(pre);
   __syncwarp();  // the table before lane 0 reads it
-  // the first kBuf items (with kBuf = 2 the two halves of one pair, one window; more may cross a
-  // window or a request, so the table follows the cursor as in the loop)
-  for (int issued = 0; issued < kBuf && pre.valid; ++issued) {
-    if (lane == 0) issue(pre, wst + issued * HALF, &wbar[issued], wmeta + issued * 4);
-    advance(&pre);
-    if (pre.valid) refill(pre);
-    __syncwarp();  // the meta and table writes before anyone reads them
-  }
-  int32_t kq = 0;  // the split kernel: key stages of the earlier requests (stage q: load warp q % 4)
+  int issued = 0;
+  if (lane == 0)
+    for (; issued < kBuf && pre.valid; ++issued) {
+      issue(pre, wst + issued * HALF, &wbar[issued], wmeta + issued * 4);
+      advance(&pre);
+    }
+  else
+    for (; issued < kBuf && pre.valid; ++issued) advance(&pre);
+  if (pre.valid) refill(pre);
+  __syncwarp();  // the prologue's meta and table writes before anyone reads them
   int item = 0;  // items consumed by this warp
   const int32_t rc_half = GATHER ? (G.R < kHalfRows ? G.R : kHalfRows)
                                  : ((STOCK || G.R >= kHalfRows) ? kHalfRows : G.R);  // rows per chunk
 
   const float kNaN = __int_as_float(0x7fc00000);
-  // The requests of the CTA's range; ROLE 0: every warp (the kernels other than the split one),
-  // 1: the split kernel's load warps, 2: its math warps.
-  auto requests = [&](auto role_c) {
-    constexpr int ROLE = decltype(role_c)::value;
-    for (int32_t b = b_first; b < B && plan[b] < p1; ++b) {
-      int32_t s0, s1;
-      seg_of(b, &s0, &s1);
-      if (s0 >= s1) continue;
-      const ReqInfo ri = request_info(a, b, sl);
-      const int32_t nvec = ri.cnt * a.nh;
-      // the query fragments of request b (every warp of the CTA takes part)
-      __syncthreads();
-      // qf[BFrags<NTQ>::index(s, nt, ln)] (mma.sync) or the wg_b_index words (wgmma). Each thread
-      // takes kQIt elements: first all their query bytes (one 32-bit load per element when q is
-      // 4-byte aligned, so the loads are in flight together), then the conversion.
-      constexpr int kQIt = (8 * NTQ * 32 + kThreads - 1) / kThreads;
-      uint32_t qraw[kQIt];
-      const bool q_aligned = (reinterpret_cast<uintptr_t>(a.q) & 3u) == 0;
+  for (int32_t b = b_first; b < B && plan[b] < p1; ++b) {
+    int32_t s0, s1;
+    seg_of(b, &s0, &s1);
+    if (s0 >= s1) continue;
+    const ReqInfo ri = request_info(a, b, sl);
+    const int32_t nvec = ri.cnt * a.nh;
+    // the query fragments of request b (every warp of the CTA takes part)
+    __syncthreads();
+    // qf[BFrags<NT>::index(s, nt, ln)] (mma.sync) or the wg_b_index words (wgmma). Each thread
+    // takes kQIt elements: first all their query bytes (one 32-bit load per element when q is
+    // 4-byte aligned, so the loads are in flight together), then the conversion.
+    constexpr int kQIt = (8 * NT * 32 + kThreads - 1) / kThreads;
+    uint32_t qraw[kQIt];
+    const bool q_aligned = (reinterpret_cast<uintptr_t>(a.q) & 3u) == 0;
 #pragma unroll
-      for (int it = 0; it < kQIt; ++it) {
-        const int e = threadIdx.x + it * kThreads;
-        constexpr int NW = BFrags<NTQ>::NW, NG = BFrags<NTQ>::NG;
-        const int ln = (e / NW) & 31, nt = (e / (NW * 32)) % NG * NW + e % NW, s = e / (NW * 32 * NG);
-        const int n = n0 + nt * 8 + (ln >> 2);
-        qraw[it] = 0u;
-        if (e < 8 * NTQ * 32 && n < nvec) {
-          const int i = n / a.nh, hh = n % a.nh;
-          const uint8_t* qv = a.q + ((static_cast<int64_t>(ri.row0) + i) * a.heads + a.h0 + hh) * kHeadDim;
-          const int d = form_dim(s, ln & 3, 0, 0);  // k-step s takes dims d .. d + 3 (form.hpp)
-          if (q_aligned) {
-            qraw[it] = *reinterpret_cast<const uint32_t*>(qv + d);
-          } else {
-            qraw[it] = static_cast<uint32_t>(qv[d]) | static_cast<uint32_t>(qv[d + 1]) << 8 |
-                       static_cast<uint32_t>(qv[d + 2]) << 16 | static_cast<uint32_t>(qv[d + 3]) << 24;
+    for (int it = 0; it < kQIt; ++it) {
+      const int e = threadIdx.x + it * kThreads;
+      constexpr int NW = BFrags<NT>::NW, NG = BFrags<NT>::NG;
+      const int ln = (e / NW) & 31, nt = (e / (NW * 32)) % NG * NW + e % NW, s = e / (NW * 32 * NG);
+      const int n = n0 + nt * 8 + (ln >> 2);
+      qraw[it] = 0u;
+      if (e < 8 * NT * 32 && n < nvec) {
+        const int i = n / a.nh, hh = n % a.nh;
+        const uint8_t* qv = a.q + ((static_cast<int64_t>(ri.row0) + i) * a.heads + a.h0 + hh) * kHeadDim;
+        const int d = form_dim(s, ln & 3, 0, 0);  // k-step s takes dims d .. d + 3 (form.hpp)
+        if (q_aligned) {
+          qraw[it] = *reinterpret_cast<const uint32_t*>(qv + d);
+        } else {
+          qraw[it] = static_cast<uint32_t>(qv[d]) | static_cast<uint32_t>(qv[d + 1]) << 8 |
+                     static_cast<uint32_t>(qv[d + 2]) << 16 | static_cast<uint32_t>(qv[d + 3]) << 24;
+        }
+      }
+    }
+#pragma unroll
+    for (int it = 0; it < kQIt; ++it) {
+      const int e = threadIdx.x + it * kThreads;
+      if (e >= 8 * NT * 32) break;
+      constexpr int NW = BFrags<NT>::NW, NG = BFrags<NT>::NG;
+      const int ln = (e / NW) & 31, nt = (e / (NW * 32)) % NG * NW + e % NW, s = e / (NW * 32 * NG);
+      const uint32_t w = qraw[it];  // 0 (= +0.0 in E4M3) for vectors past nvec
+      uint2 v{0u, 0u};
+      // the byte of w of each half follows form_dim (w holds dims d .. d + 3 of k-step s)
+      static_assert(form_dim(0, 0, 0, 1) == form_dim(0, 0, 0, 0) + 1 && form_dim(0, 0, 1, 0) == form_dim(0, 0, 0, 0) + 2 &&
+                        form_dim(0, 0, 1, 1) == form_dim(0, 0, 0, 0) + 3 && form_dim(1, 0, 0, 0) == form_dim(0, 0, 0, 0) + 4,
+                    "the query pairs below assume form_dim's order");
+      if constexpr (M8) {  // the E4M3 bytes themselves: k-step s8 = s / 2 takes the words of fp16
+                           // k-steps 2 s8, 2 s8 + 1 (form8_dim) as its halves
+        uint32_t* qw = reinterpret_cast<uint32_t*>(qf);
+        if constexpr (WG) qw[wg_b_index<NT>(s >> 1, nt * 8 + (ln >> 2), s & 1, ln & 3)] = w;  // bytes, k32 core matrices
+        else qw[2 * BFrags<NT>::index(s >> 1, nt, ln) + (s & 1)] = w;                       // (b0, b1) in slot s8
+        continue;
+      } else {
+        v.x = q_pair_bytes(w & 0xffu, (w >> 8) & 0xffu);          // first pair: dims d, d + 1
+        v.y = q_pair_bytes((w >> 16) & 0xffu, (w >> 24) & 0xffu);  // second pair: dims d + 2, d + 3
+      }
+      if constexpr (WG) {
+        uint32_t* qw = reinterpret_cast<uint32_t*>(qf);
+        qw[wg_b_index<NT>(s, nt * 8 + (ln >> 2), 0, ln & 3)] = v.x;
+        qw[wg_b_index<NT>(s, nt * 8 + (ln >> 2), 1, ln & 3)] = v.y;
+      } else {
+        qf[e] = v;
+      }
+    }
+    if constexpr (WG) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // B for wgmma
+    if (threadIdx.x < NT * 8) {  // output column of query vector n0 + threadIdx.x: row * 64 + head, or -1
+      const int n = n0 + threadIdx.x;
+      scol[threadIdx.x] = n < nvec ? (n / a.nh) * 64 + n % a.nh : -1;
+    }
+    __syncthreads();
+    // The one score this lane writes at each flush (reduce_scatter_max): its query vector's
+    // output row and head, and the blocks that are historical for that row (spec/indexer.md
+    // section 2); olim = 0 when the lane writes nothing
+    constexpr int kOut = scatter_count<2 * NT>();  // scores a lane writes per flush (1, or 2 / 4 for NT = 8 / 16)
+    int64_t obase[kOut];
+    int32_t olim[kOut];
+#pragma unroll
+    for (int o = 0; o < kOut; ++o) {
+      obase[o] = 0;
+      olim[o] = 0;
+      const int v = scatter_value<2 * NT>(g) + o;
+      const int32_t cc = scatter_writer<2 * NT>(g) ? scol[(v >> 1) * 8 + 2 * t4 + (v & 1)] : -1;
+      if (cc >= 0) {
+        const int32_t i = cc >> 6, hh = cc & 63;
+        olim[o] = (ri.seq - ri.cnt + i) >> 7;
+        obase[o] = ((static_cast<int64_t>(ri.row0) + i) * a.nh + hh) * a.max_blocks;
+      }
+    }
+    BFrags<NT> bq;
+    if constexpr (!WG) bq.load(qf, lane);
+    const uint64_t desc = wg_desc(qf, a.wg_desc_bits);
+    const bool active = n0 < nvec && !(a.debug & 1);
+    // WG: every warp runs the same number of pair iterations (those past its last pair are
+    // placeholders) so that the warpgroup's wgmma instructions stay in step
+    const int32_t nit = WG ? (s1 - s0 + kWarps - 1) / kWarps : 0;
+    for (int32_t s = s0 + warp, it = 0; WG ? it < nit : s < s1; s += kWarps, ++it) {
+      const bool have = !WG || s < s1;
+      float rm[NT][2];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) rm[nt][0] = rm[nt][1] = kNaN;
+      int32_t cur = -1;
+      auto flush = [&]() {
+        float v[2 * NT];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          v[2 * nt] = rm[nt][0];
+          v[2 * nt + 1] = rm[nt][1];
+        }
+        reduce_scatter_max<2 * NT>(v, g);
+#pragma unroll
+        for (int o = 0; o < kOut; ++o)
+          if (cur < olim[o]) a.scores[obase[o] + cur] = v[o] * kScale;  // historical for this row only
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) rm[nt][0] = rm[nt][1] = kNaN;
+      };
+      for (int h = 0; h < 2; ++h) {
+        const int buf = item % kBuf;
+        if (have && !(a.debug & 2)) mbar_wait(&wbar[buf], static_cast<uint32_t>((item / kBuf) & 1));
+        uint8_t* st = wst + buf * HALF;
+        if (WG && active) {
+          for (int c = 0; c < nch; ++c) {  // chunks of rc_half rows (a multiple of 16)
+            const int32_t blk = have ? wmeta[buf * 4 + c] : -1;
+            const bool ok = blk >= 0;
+            if (ok && blk != cur) {
+              if (cur >= 0) flush();
+              cur = blk;
+            }
+            if (MODE == kModeE4m3 && ok && any_negative_scale(st, c * rc_half, rc_half, lane))
+              fix_negative_scales(st, c * rc_half, rc_half, lane);
+#pragma unroll 1
+            for (int t = 0; t < rc_half / 16; ++t) {
+              if constexpr (M8) score_tile_wg8<MODE, NT>(st, c * rc_half + t * 16, g, t4, lut, desc, ok, rm);
+              else score_tile_wg<MODE, NT>(st, c * rc_half + t * 16, g, t4, lut, desc, ok, rm);
+            }
+          }
+        } else if (active) {
+          for (int c = 0; c < nch; ++c) {
+            const int32_t blk = wmeta[buf * 4 + c];
+            if (blk < 0) continue;
+            Chunk ch;
+            ch.block = blk;
+            ch.nrows = rc_half;
+            if (ch.block != cur) {
+              if (cur >= 0) flush();
+              cur = ch.block;
+            }
+            const bool neg = MODE == kModeE4m3 && any_negative_scale(st, c * ch.nrows, ch.nrows, lane);
+            auto tile = [&](int t) {
+              if constexpr (M8) {
+                if (neg) score_tile8<MODE, NT, true>(st, c * ch.nrows + t * 16, g, t4, lut, bq, rm);
+                else score_tile8<MODE, NT, false>(st, c * ch.nrows + t * 16, g, t4, lut, bq, rm);
+              } else {
+                if (neg) score_tile<MODE, NT, true>(st, c * ch.nrows + t * 16, g, t4, lut, bq, rm);
+                else score_tile<MODE, NT, false>(st, c * ch.nrows + t * 16, g, t4, lut, bq, rm);
+              }
+            };
+            if constexpr (NT <= 2 && MODE != kModeFp8) {  // two tiles interleaved (v6: -1%; NT = 4 and FP8 spill)
+#pragma unroll 2
+              for (int t = 0; t < ch.nrows / 16; ++t) tile(t);
+            } else {
+              for (int t = 0; t < ch.nrows / 16; ++t) tile(t);
+            }
           }
         }
-      }
-#pragma unroll
-      for (int it = 0; it < kQIt; ++it) {
-        const int e = threadIdx.x + it * kThreads;
-        if (e >= 8 * NTQ * 32) break;
-        constexpr int NW = BFrags<NTQ>::NW, NG = BFrags<NTQ>::NG;
-        [[maybe_unused]] const int ln = (e / NW) & 31, nt = (e / (NW * 32)) % NG * NW + e % NW, s = e / (NW * 32 * NG);
-        const uint32_t w = qraw[it];  // 0 (= +0.0 in E4M3) for vectors past nvec
-        uint2 v{0u, 0u};
-        // the byte of w of each half follows form_dim (w holds dims d .. d + 3 of k-step s)
-        static_assert(form_dim(0, 0, 0, 1) == form_dim(0, 0, 0, 0) + 1 && form_dim(0, 0, 1, 0) == form_dim(0, 0, 0, 0) + 2 &&
-                          form_dim(0, 0, 1, 1) == form_dim(0, 0, 0, 0) + 3 && form_dim(1, 0, 0, 0) == form_dim(0, 0, 0, 0) + 4,
-                      "the query pairs below assume form_dim's order");
-        if constexpr (M8) {  // the E4M3 bytes themselves: k-step s8 = s / 2 takes the words of fp16
-                             // k-steps 2 s8, 2 s8 + 1 (form8_dim) as its halves
-          uint32_t* qw = reinterpret_cast<uint32_t*>(qf);
-          if constexpr (WG) qw[wg_b_index<NTQ>(s >> 1, nt * 8 + (ln >> 2), s & 1, ln & 3)] = w;  // bytes, k32 core matrices
-          else qw[2 * BFrags<NTQ>::index(s >> 1, nt, ln) + (s & 1)] = w;                       // (b0, b1) in slot s8
-          continue;
-        } else {
-          v.x = q_pair_bytes(w & 0xffu, (w >> 8) & 0xffu);          // first pair: dims d, d + 1
-          v.y = q_pair_bytes((w >> 16) & 0xffu, (w >> 24) & 0xffu);  // second pair: dims d + 2, d + 3
-        }
-        if constexpr (WG) {
-          uint32_t* qw = reinterpret_cast<uint32_t*>(qf);
-          qw[wg_b_index<NTQ>(s, nt * 8 + (ln >> 2), 0, ln & 3)] = v.x;
-          qw[wg_b_index<NTQ>(s, nt * 8 + (ln >> 2), 1, ln & 3)] = v.y;
-        } else {
-          qf[e] = v;
-        }
-      }
-      if constexpr (WG) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // B for wgmma
-      if (threadIdx.x < NTQ * 8) {  // output column of query vector n0 + threadIdx.x: row * 64 + head, or -1
-        const int n = n0 + threadIdx.x;
-        scol[threadIdx.x] = n < nvec ? (n / a.nh) * 64 + n % a.nh : -1;
-      }
-      __syncthreads();
-      const bool active = n0 < nvec && !(a.debug & 1);
-      // WG: every warp runs the same number of pair iterations (those past its last pair are
-      // placeholders) so that the warpgroup's wgmma instructions stay in step
-      const int32_t nit = WG ? (s1 - s0 + kWarps - 1) / kWarps : 0;
-      // after a half-stage: its buffer refilled with the prefetch cursor's next half
-      auto next_half = [&](int buf) {
+        if (!have) continue;
         __syncwarp();
         if (pre.valid) {
           if (lane == 0) issue(pre, wst + buf * HALF, &wbar[buf], wmeta + buf * 4);
@@ -376,234 +417,15 @@ __global__ void __launch_bounds__(warps_of<MODE, NT>() * 32, minb_of<MODE, NT>()
           if (pre.valid) refill(pre);
         }
         ++item;
-      };
-      if constexpr (ROLE == 1) {
-        // The split kernel's load warps: pair iteration it of load warp w is key stage
-        // q = kq + 4 it + w; its 8 tiles of 16 rows (2 halves, each nch chunks) are expanded into
-        // rows 16 j .. 16 j + 15 of the stage (placeholders: the block -1, nothing stored).
-        for (int32_t s = s0 + warp, it = 0; it < nit; s += kWarps, ++it) {
-          const bool have = s < s1;
-          const int32_t q = kq + kWarps * it + warp, slot = q % kStages;
-          uint32_t* kst = reinterpret_cast<uint32_t*>(kring + slot * kStageBytes);
-          if (active) mbar_wait(&kempty[slot], static_cast<uint32_t>(((q / kStages) & 1) ^ 1));  // (fresh: passes parity 1)
-          for (int h = 0; h < 2; ++h) {
-            const int buf = item % kBuf;
-            if (have && !(a.debug & 2)) mbar_wait(&wbar[buf], static_cast<uint32_t>((item / kBuf) & 1));
-            uint8_t* st = wst + buf * HALF;
-            if (active)
-              for (int c = 0; c < nch; ++c) {
-                const int32_t blk = have ? wmeta[buf * 4 + c] : -1;
-                const bool ok = blk >= 0;
-                if (MODE == kModeE4m3 && ok && any_negative_scale(st, c * rc_half, rc_half, lane))
-                  fix_negative_scales(st, c * rc_half, rc_half, lane);
-#pragma unroll 1
-                for (int t = 0; t < rc_half / 16; ++t) {
-                  const int row0 = h * kHalfRows + c * rc_half + t * 16;  // in the stage
-                  if (ok) store_tile_keys<MODE, M8>(st, c * rc_half + t * 16, g, t4, lut, row0, kst);
-                  if (lane == 0) kmeta[slot * 8 + row0 / 16] = ok ? blk : -1;
-                }
-              }
-            if (have) next_half(buf);
-          }
-          if (active) {
-            fence_proxy_async();  // the generic-proxy stores before wgmma (async proxy) reads them
-            __syncwarp();
-            if (lane == 0) mbar_arrive(&kfull[slot]);
-          }
-        }
-        if (active) kq += kWarps * nit;  // (inactive: no stage was filled or waited for)
-      } else if constexpr (ROLE == 2) {
-        // A math warpgroup: its 64 query vectors (16 per warp: rows g, g + 8 of the accumulators)
-        // as the A operand in registers, every key stage as B (128 keys); a block's maximum is
-        // over its keys' columns: the lane's, then the 4 lanes of the quad.
-        const int wm = warp - kWarps;                 // 0..7
-        const int vq = (wm >> 2) * 64 + (wm & 3) * 16 + g;  // this lane's first query vector in the CTA
-        constexpr int KS = M8 ? 4 : 8;                // k-steps: k32 E4M3 or k16 fp16
-        uint32_t qa[KS][4];
-        {
-          const uint32_t* qw = reinterpret_cast<const uint32_t*>(qf);
-#pragma unroll
-          for (int k = 0; k < KS; ++k) {  // the wg_b_index words are the A fragments' registers
-            qa[k][0] = qw[wg_b_index<NTQ>(k, vq, 0, t4)];
-            qa[k][1] = qw[wg_b_index<NTQ>(k, vq + 8, 0, t4)];
-            qa[k][2] = qw[wg_b_index<NTQ>(k, vq, 1, t4)];
-            qa[k][3] = qw[wg_b_index<NTQ>(k, vq + 8, 1, t4)];
-          }
-        }
-        int64_t obase2[2] = {0, 0};
-        int32_t olim2[2] = {0, 0};  // 0: the lane writes nothing for that vector
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int32_t cc = t4 == 0 ? scol[vq + 8 * r] : -1;
-          if (cc >= 0) {
-            const int32_t i = cc >> 6, hh = cc & 63;
-            olim2[r] = (ri.seq - ri.cnt + i) >> 7;
-            obase2[r] = ((static_cast<int64_t>(ri.row0) + i) * a.nh + hh) * a.max_blocks;
-          }
-        }
-        auto put = [&](int32_t blk, float m0, float m1) {  // warp-uniform blk
-          m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, 1));
-          m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, 1));
-          m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, 2));
-          m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, 2));
-          if (blk < olim2[0]) a.scores[obase2[0] + blk] = m0 * kScale;  // historical for this row only
-          if (blk < olim2[1]) a.scores[obase2[1] + blk] = m1 * kScale;
-        };
-        if (active)
-          for (int32_t q = kq; q < kq + kWarps * nit; ++q) {
-            const int32_t slot = q % kStages;
-            mbar_wait(&kfull[slot], static_cast<uint32_t>((q / kStages) & 1));
-            const uint64_t kdesc = wg_desc(kring + slot * kStageBytes, a.wg_desc_bits);
-            constexpr int MT = ROLE == 2 ? 16 : 1;  // (dependent: instantiated for the split kernel only)
-            float acc[MT][4];
-            wg_fence();
-#pragma unroll
-            for (int k = 0; k < KS; ++k) {  // B k-steps are 128 keys x 32 bytes apart (units of 16 bytes)
-              if constexpr (M8) wgmma8_tile<MT>(acc, qa[k], kdesc + static_cast<uint64_t>(k * 256), k > 0);
-              else wgmma_tile<MT>(acc, qa[k], kdesc + static_cast<uint64_t>(k * 256), k > 0);
-            }
-            wg_commit();
-            wg_wait0();
-            fence_acc<MT>(acc);
-            int32_t gblk[8];
-#pragma unroll
-            for (int j = 0; j < 8; ++j) gblk[j] = kmeta[slot * 8 + j];
-            __syncwarp();
-            if (lane == 0) mbar_arrive(&kempty[slot]);
-            // 16-key groups j (n-tiles 2j, 2j + 1): the lane's maxima of rows g (m0) and g + 8 (m1),
-            // merged while consecutive groups hold the same block
-            int32_t cur = -1;
-            float c0 = kNaN, c1 = kNaN;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-              const float m0 = fmaxf(fmaxf(acc[2 * j][0], acc[2 * j][1]), fmaxf(acc[2 * j + 1][0], acc[2 * j + 1][1]));
-              const float m1 = fmaxf(fmaxf(acc[2 * j][2], acc[2 * j][3]), fmaxf(acc[2 * j + 1][2], acc[2 * j + 1][3]));
-              if (gblk[j] < 0) continue;
-              if (gblk[j] != cur) {
-                if (cur >= 0) put(cur, c0, c1);
-                cur = gblk[j];
-                c0 = m0;
-                c1 = m1;
-              } else {
-                c0 = fmaxf(c0, m0);
-                c1 = fmaxf(c1, m1);
-              }
-            }
-            if (cur >= 0) put(cur, c0, c1);
-          }
-        if (active) kq += kWarps * nit;  // (inactive: no stage was filled or waited for)
-      } else {
-        // The one score this lane writes at each flush (reduce_scatter_max): its query vector's
-        // output row and head, and the blocks that are historical for that row (spec/indexer.md
-        // section 2); olim = 0 when the lane writes nothing
-        constexpr int kOut = scatter_count<2 * NT>();  // scores a lane writes per flush (1, or 2 / 4 for NT = 8 / 16)
-        int64_t obase[kOut];
-        int32_t olim[kOut];
-#pragma unroll
-        for (int o = 0; o < kOut; ++o) {
-          obase[o] = 0;
-          olim[o] = 0;
-          const int v = scatter_value<2 * NT>(g) + o;
-          const int32_t cc = scatter_writer<2 * NT>(g) ? scol[(v >> 1) * 8 + 2 * t4 + (v & 1)] : -1;
-          if (cc >= 0) {
-            const int32_t i = cc >> 6, hh = cc & 63;
-            olim[o] = (ri.seq - ri.cnt + i) >> 7;
-            obase[o] = ((static_cast<int64_t>(ri.row0) + i) * a.nh + hh) * a.max_blocks;
-          }
-        }
-        BFrags<NT> bq;
-        if constexpr (!WG) bq.load(qf, lane);
-        const uint64_t desc = wg_desc(qf, a.wg_desc_bits);
-        // the maxima rm of block cur, over the warp's rows, to the scores of the lane's columns
-        auto flush = [&](float (&rm)[NT][2], int32_t cur) {
-          float v[2 * NT];
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            v[2 * nt] = rm[nt][0];
-            v[2 * nt + 1] = rm[nt][1];
-          }
-          reduce_scatter_max<2 * NT>(v, g);
-#pragma unroll
-          for (int o = 0; o < kOut; ++o)
-            if (cur < olim[o]) a.scores[obase[o] + cur] = v[o] * kScale;  // historical for this row only
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) rm[nt][0] = rm[nt][1] = kNaN;
-        };
-        for (int32_t s = s0 + warp, it = 0; WG ? it < nit : s < s1; s += kWarps, ++it) {
-          const bool have = !WG || s < s1;
-          float rm[NT][2];
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) rm[nt][0] = rm[nt][1] = kNaN;
-          int32_t cur = -1;
-          for (int h = 0; h < 2; ++h) {
-            const int buf = item % kBuf;
-            if (have && !(a.debug & 2)) mbar_wait(&wbar[buf], static_cast<uint32_t>((item / kBuf) & 1));
-            uint8_t* st = wst + buf * HALF;
-            if (WG && active) {
-              for (int c = 0; c < nch; ++c) {  // chunks of rc_half rows (a multiple of 16)
-                const int32_t blk = have ? wmeta[buf * 4 + c] : -1;
-                const bool ok = blk >= 0;
-                if (ok && blk != cur) {
-                  if (cur >= 0) flush(rm, cur);
-                  cur = blk;
-                }
-                if (MODE == kModeE4m3 && ok && any_negative_scale(st, c * rc_half, rc_half, lane))
-                  fix_negative_scales(st, c * rc_half, rc_half, lane);
-#pragma unroll 1
-                for (int t = 0; t < rc_half / 16; ++t) {
-                  if constexpr (M8) score_tile_wg8<MODE, NT>(st, c * rc_half + t * 16, g, t4, lut, desc, ok, rm);
-                  else score_tile_wg<MODE, NT>(st, c * rc_half + t * 16, g, t4, lut, desc, ok, rm);
-                }
-              }
-            } else if (active) {
-              for (int c = 0; c < nch; ++c) {
-                const int32_t blk = wmeta[buf * 4 + c];
-                if (blk < 0) continue;
-                Chunk ch;
-                ch.block = blk;
-                ch.nrows = rc_half;
-                if (ch.block != cur) {
-                  if (cur >= 0) flush(rm, cur);
-                  cur = ch.block;
-                }
-                const bool neg = MODE == kModeE4m3 && any_negative_scale(st, c * ch.nrows, ch.nrows, lane);
-                auto tile = [&](int t) {
-                  if constexpr (M8) {
-                    if (neg) score_tile8<MODE, NT, true>(st, c * ch.nrows + t * 16, g, t4, lut, bq, rm);
-                    else score_tile8<MODE, NT, false>(st, c * ch.nrows + t * 16, g, t4, lut, bq, rm);
-                  } else {
-                    if (neg) score_tile<MODE, NT, true>(st, c * ch.nrows + t * 16, g, t4, lut, bq, rm);
-                    else score_tile<MODE, NT, false>(st, c * ch.nrows + t * 16, g, t4, lut, bq, rm);
-                  }
-                };
-                if constexpr (NT <= 2 && MODE != kModeFp8) {  // two tiles interleaved (v6: -1%; NT = 4 and FP8 spill)
-#pragma unroll 2
-                  for (int t = 0; t < ch.nrows / 16; ++t) tile(t);
-                } else {
-                  for (int t = 0; t < ch.nrows / 16; ++t) tile(t);
-                }
-              }
-            }
-            if (have) next_half(buf);
-          }
-          if (cur >= 0) flush(rm, cur);
-        }
-      }  // (ROLE 0)
+      }
+      if (cur >= 0) flush();
     }
-  };
-  // (two copies of the request loop, one per role of the split kernel: each role's code is
-  // compiled for its own work; every thread has 168 registers, enough for both)
-  if constexpr (SPLIT) {
-    if (loader) requests(std::integral_constant<int, 1>{});
-    else requests(std::integral_constant<int, 2>{});
-  } else {
-    requests(std::integral_constant<int, 0>{});
   }
 }
 
 template <int MODE, int NT, bool STOCK, bool GATHER, bool M8>
 void launch_t(const ScoreArgs& a, dim3 grid, cudaStream_t stream) {
-  constexpr int smem = score_smem_bytes<MODE, NT>(), kThreads = warps_of<MODE, NT>() * 32;
+  constexpr int smem = score_smem_bytes<MODE, NT>(), kThreads = warps_of<MODE>() * 32;
   static_assert(smem <= 227 * 1024, "shared memory");
   auto k = score_kernel<MODE, NT, STOCK, GATHER, M8>;
   check(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
@@ -620,22 +442,6 @@ void launch_t(const ScoreArgs& a, dim3 grid, cudaStream_t stream) {
   // slice, whose CTAs would each get a few items or none and spend the launch on their prologue
   const int64_t resident = static_cast<int64_t>(std::max(1, per_sm)) * sm_count();
   g.x = static_cast<unsigned>(std::clamp<int64_t>(ceil_div(2 * resident, static_cast<int64_t>(grid.y)), 1, resident));
-  if (kSplit<NT>) {
-    // the split kernel runs one CTA per multiprocessor: CTAs per query slice such that the last
-    // wave is as full as possible (1 to 2 x the rule above, the first of the fullest)
-    const int64_t gy = grid.y;
-    int64_t best = g.x;
-    double best_fill = 0.0;
-    for (int64_t x = g.x; x <= 2 * static_cast<int64_t>(g.x); ++x) {
-      const int64_t n = x * gy, waves = ceil_div(n, resident);
-      const double fill = static_cast<double>(n) / static_cast<double>(waves * resident);
-      if (fill > best_fill + 1e-9) {
-        best_fill = fill;
-        best = x;
-      }
-    }
-    g.x = static_cast<unsigned>(std::min(best, resident));
-  }
   if (const char* e = ::indexcp::detail::knob_env("INDEXCP_SCORE_CTAS")) g.x = static_cast<unsigned>(std::max(1, std::atoi(e)));
   k<<<g, kThreads, smem, stream>>>(a);
   INDEXCP_CUDA_LAUNCH_CHECK("score kernel launch");
@@ -647,12 +453,11 @@ void launch_nt(int nt, const ScoreArgs& a, dim3 grid, cudaStream_t stream) {
   else if (nt == 2) launch_t<MODE, 2, STOCK, GATHER, M8>(a, grid, stream);
   else if (nt == 4) launch_t<MODE, 4, STOCK, GATHER, M8>(a, grid, stream);
   else if (nt == 8) launch_t<MODE, 8, STOCK, GATHER, M8>(a, grid, stream);
-  else if (nt == 16) launch_t<MODE, 16, STOCK, GATHER, M8>(a, grid, stream);
-  else launch_t<MODE, 32, STOCK, GATHER, M8>(a, grid, stream);
+  else launch_t<MODE, 16, STOCK, GATHER, M8>(a, grid, stream);
 }
 
 std::mutex g_tables_mu;
-std::vector<int> g_tables_done;  // per device: 0 = not prepared, 1 = prepared, 2 = prepared, with wgmma
+std::vector<int> g_tables_done;
 
 }  // namespace
 
@@ -669,12 +474,12 @@ int sm_count() {
   return n;
 }
 
-bool ensure_tables(cudaStream_t stream) {
+void ensure_tables(cudaStream_t stream) {
   int dev = 0;
   check(cudaGetDevice(&dev), "cudaGetDevice");
   std::lock_guard<std::mutex> lk(g_tables_mu);
   if (static_cast<int>(g_tables_done.size()) <= dev) g_tables_done.resize(dev + 1, 0);
-  if (g_tables_done[dev]) return g_tables_done[dev] == 2;
+  if (g_tables_done[dev]) return;
   // the first use on a device uploads the tables (a synchronous copy): never inside a capture
   cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
   if (stream != nullptr && cudaStreamIsCapturing(stream, &capturing) == cudaSuccess &&
@@ -685,10 +490,7 @@ bool ensure_tables(cudaStream_t stream) {
   uint2 t[256];
   for (int s = 0; s < 256; ++s) form_khat_entry(static_cast<uint8_t>(s), &t[s].x, &t[s].y);
   check(cudaMemcpyToSymbol(g_khat_lut, t, sizeof(t)), "cudaMemcpyToSymbol (k_hat table)");
-  int have_wgmma = 0;
-  check(cudaMemcpyFromSymbol(&have_wgmma, g_have_wgmma, sizeof(int)), "cudaMemcpyFromSymbol (device code features)");
-  g_tables_done[dev] = have_wgmma ? 2 : 1;
-  return have_wgmma != 0;
+  g_tables_done[dev] = 1;
 }
 
 void launch_score(const ScoreLaunch& s, cudaStream_t stream) {
@@ -735,25 +537,22 @@ void launch_score(const ScoreLaunch& s, cudaStream_t stream) {
   a.plan = plan;  // null when the plan is local and the caller gave no buffer
   const int64_t nvec_max = static_cast<int64_t>(s.max_rows_per_request) * s.nh;
   // query vectors per CTA: 8 NT, the fewest that hold a request's rows x heads, at most 128 (the
-  // prefill's GEMM-shaped tiles: each expanded key tile serves 128 query vectors); at 128, the
-  // split kernel (NT = 32 as a template tag) where the device runs the sm_90a code. The
-  // INDEXCP_SCORE_MAX_NT knob caps NT (an experiment knob: 4 is the scorer before the wide tiles,
-  // 16 the wide tiles before the split kernel).
-  const bool have_wgmma = ensure_tables(stream);
-  int nt_cap = have_wgmma ? kMaxNt : 16;
+  // prefill's GEMM-shaped tiles: each expanded key tile serves 128 query vectors). The
+  // INDEXCP_SCORE_MAX_NT knob caps NT (an experiment knob: 4 is the scorer before the wide tiles).
+  int nt_cap = kMaxNt;
   if (const char* e = ::indexcp::detail::knob_env("INDEXCP_SCORE_MAX_NT")) {
-    const int v = std::atoi(e);  // rounded down to 1, 2, 4, 8, 16 or 32; not a number: the default
+    const int v = std::atoi(e);  // rounded down to 1, 2, 4, 8 or 16; not a number: the default
     if (v >= 1) {
       nt_cap = 1;
-      while (nt_cap * 2 <= std::min(v, kMaxNt) && (nt_cap < 16 || have_wgmma)) nt_cap *= 2;
+      while (nt_cap * 2 <= std::min(v, kMaxNt)) nt_cap *= 2;
     }
   }
   int nt = 1;
-  while (nt < nt_cap && nt < 16 && nvec_max > nt * 8) nt *= 2;
-  if (nt == 16 && nt_cap == 32) nt = 32;  // the split kernel, 128 vectors per CTA
-  const int64_t gy = ceil_div(nvec_max, std::min(nt, 16) * 8);
+  while (nt < nt_cap && nvec_max > nt * 8) nt *= 2;
+  const int64_t gy = ceil_div(nvec_max, nt * 8);
   INDEXCP_REQUIRE(gy <= 65535, "score launch too large (rows of one request x heads)");
   const dim3 grid(1, static_cast<unsigned>(gy));
+  ensure_tables(stream);
   const bool stock = s.stock && R >= kBlockTokens;
   if (m8) {
     if (s.keys.gather) launch_nt<kModeFp8, false, true, true>(nt, a, grid, stream);

@@ -209,8 +209,6 @@ __device__ __forceinline__ void wgmma8_tile(float (&d)[NT][4], const uint32_t* a
   }
 #endif
 }
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-
 template <int NT>
 __device__ __forceinline__ void fence_acc(float (&d)[NT][4]) {
 #pragma unroll

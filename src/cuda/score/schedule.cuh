@@ -14,7 +14,7 @@ namespace indexcp::cuda::detail {
 // Internal linkage on purpose: this header is part of score.cu's one translation unit.
 namespace {
 
-constexpr int kBuf = 2;         // half-stage buffers per warp (bufs_of: the split kernel's load warps have more)
+constexpr int kBuf = 2;         // half-stage buffers per warp
 constexpr int kHalfRows = 64;   // rows per half-stage; a work item ("pair") is 2 halves
 constexpr int kPlanLocal = 2048;  // requests up to which each CTA computes the plan itself
 constexpr int kModeE4m3 = 0, kModeExact = 1, kModeFp8 = 2;
@@ -27,33 +27,12 @@ constexpr int kModeE4m3 = 0, kModeExact = 1, kModeFp8 = 2;
 #ifndef INDEXCP_SCORE_MINB
 #define INDEXCP_SCORE_MINB 2
 #endif
-// NT = 32 tags the split kernel (128 query vectors per CTA, like NT = 16; the prefill's
-// GEMM-shaped form, sm_90a only): one warpgroup of load warps (the stage rings, the copies, the key
-// expansion into shared memory) and two math warpgroups (64 query vectors each, resident in
-// registers as the wgmma A operand; the expanded keys are B).
-template <int NT>
-constexpr bool kSplit = NT == 32;
-template <int MODE, int NT = 1>
-constexpr int warps_of() { return kSplit<NT> ? 12 : MODE == kModeFp8 ? 8 : INDEXCP_SCORE_WARPS; }
-// warps with a stage ring and a cursor (the load warps of the split kernel; every warp otherwise)
-template <int MODE, int NT>
-constexpr int load_warps_of() { return kSplit<NT> ? 4 : warps_of<MODE, NT>(); }
+template <int MODE>
+constexpr int warps_of() { return MODE == kModeFp8 ? 8 : INDEXCP_SCORE_WARPS; }
 static_assert(INDEXCP_SCORE_WARPS % 4 == 0 && INDEXCP_SCORE_WARPS > 0, "INDEXCP_SCORE_WARPS: whole warpgroups");
 // NT = 8 and 16 (64 and 128 query vectors per CTA, the prefill) hold 32 and 64 fp32 accumulators
-// and 16 and 32 block maxima per thread: one CTA per multiprocessor, up to 255 registers. NT = 32
-// (the split kernel): 64 accumulators and 32 query registers per math thread, 384 threads.
-constexpr int kMaxNt = 32;
-// The split kernel's key stages: one load warp's pair (128 rows, whole blocks) expanded into the
-// wgmma B operand (K-major core matrices, the wg_b_index layout of 128 rows): fp16, 32 KB, or the
-// E4M3 bytes in fp8_mma, 16 KB. Stages in the ring, and half-stage buffers per load warp (the load
-// warps feed the tensor cores at twice the rate per warp of the other kernels); FP8 half-stages are
-// twice the NVFP4 ones, so one buffer and one stage fewer, to fit 227 KB.
-template <int MODE, int NT>
-constexpr int bufs_of() { return kSplit<NT> ? (MODE == kModeFp8 ? 3 : 4) : kBuf; }
-template <int MODE, int NT>
-constexpr int stages_b_of() { return kSplit<NT> ? (MODE == kModeFp8 ? 2 : 3) : 1; }  // (1: unused)
-template <bool M8>
-constexpr int b_stage_bytes() { return M8 ? 128 * 128 : 128 * 128 * 2; }
+// and 16 and 32 block maxima per thread: one CTA per multiprocessor, up to 255 registers.
+constexpr int kMaxNt = 16;
 // INDEXCP_SCORE_WIDE_MINB: CTAs per multiprocessor at NT = 8 (an experiment knob, bench/NOTES.md
 // "Knobs"; 2 caps the registers at 128 per thread)
 #ifndef INDEXCP_SCORE_WIDE_MINB

@@ -40,21 +40,12 @@ template <int MODE>
 constexpr int half_bytes() {
   return MODE == kModeFp8 ? kHalfRows * kHeadDim : kHalfRows * (kNvfp4DataBytesPerKey + kNvfp4ScalesPerKey);
 }
-// Shared memory of the scorer: the load warps' stage rings, the k_hat table, the query operand,
-// the chunk tables, the ring barriers and meta slots, the local plan; the split kernel adds, from
-// split_offset (128-byte aligned), its ring of expanded key stages, their full and empty barriers
-// and the block of each stage's 16-row groups.
-template <int MODE, int NT>
-constexpr int split_offset() {
-  constexpr int kW = load_warps_of<MODE, NT>(), KB = bufs_of<MODE, NT>();
-  constexpr int base = kW * KB * half_bytes<MODE>() + 256 * 8 + 8 * (kSplit<NT> ? 16 : NT) * 32 * 8 +
-                       kW * 2 * kTab * static_cast<int>(sizeof(ChunkEnt)) + kW * KB * 8 + kW * KB * 4 * 4 +
-                       (kPlanLocal + 1) * 4;
-  return (base + 127) / 128 * 128;
-}
 template <int MODE, int NT>
 constexpr int score_smem_bytes() {
-  return split_offset<MODE, NT>() + (kSplit<NT> ? stages_b_of<MODE, NT>() * (b_stage_bytes<false>() + 2 * 8 + 8 * 4) : 0);
+  constexpr int kWarps = warps_of<MODE>();
+  return kWarps * kBuf * half_bytes<MODE>() + 256 * 8 + 8 * NT * 32 * 8 + kWarps * 2 * kTab * static_cast<int>(sizeof(ChunkEnt)) +
+         kWarps * kBuf * 8 + kWarps * kBuf * 4 * 4 +
+         (kPlanLocal + 1) * 4;
 }
 
 // B fragments (the query vectors) of k-step s for the mma.sync tiles (NT = 1 in the sm_90a code,
@@ -311,24 +302,6 @@ __device__ __forceinline__ void score_tile8(const uint8_t* st, int rb, int g, in
 template <int NT>
 __host__ __device__ constexpr int wg_b_index(int s, int n, int half, int t4) {
   return s * NT * 64 + (n >> 3) * 64 + half * 32 + (n & 7) * 4 + t4;
-}
-
-// The split kernel's load warps: a 16-row tile (rows rb .. rb + 15 of the half buffer) into rows
-// row0 .. row0 + 15 of a key stage (128 rows, the wgmma B operand: the wg_b_index layout of 128
-// rows), the fragments the register-A tiles of the other kernels multiply, word for word: the same
-// k slots, so the same products in the same order.
-template <int MODE, bool M8>
-__device__ __forceinline__ void store_tile_keys(const uint8_t* st, int rb, int g, int t4, const uint2* lut, int row0,
-                                                uint32_t* K) {
-  const int r0 = row0 + g, r1 = r0 + 8;
-  auto put = [&](int s, const uint32_t* a) {
-    K[wg_b_index<16>(s, r0, 0, t4)] = a[0];
-    K[wg_b_index<16>(s, r1, 0, t4)] = a[1];
-    K[wg_b_index<16>(s, r0, 1, t4)] = a[2];
-    K[wg_b_index<16>(s, r1, 1, t4)] = a[3];
-  };
-  if constexpr (M8) tile_frags8<MODE, false>(st, rb, g, t4, lut, put);
-  else tile_frags<MODE, false>(st, rb, g, t4, lut, put);
 }
 
 template <int NT>
