@@ -11,7 +11,8 @@
 #     bash bench/cuda/prefill_ab.sh
 # Also read: BUILD_DIR (build-dev), BUILD_TIMEOUT (300 s), TEST_TIMEOUT (120 s), BENCH_ARGS (extra
 # bench arguments), INDEXCP_SHARED_DIR (tests/data), RES (scratch folder, emptied first; not under
-# $OUT).
+# $OUT), INDEXCP_GIT_REV (the commit the records name: set it, the device copy's git HEAD is not
+# the tree that was sent).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 OUT=${OUT:-$PWD/out}
