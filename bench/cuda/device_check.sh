@@ -13,6 +13,9 @@
 #   engine      compute-sanitizer over GpuEngine.* and `bench insert --tokens 512,8192` (sync vs async in a graph)
 #   plan        compute-sanitizer (memcheck, initcheck, racecheck) over GpuPlan.* and GpuCollectives.*,
 #               `bench decode` (DecodeStep is W decode plans) and the engine example's N-layer graph
+#   prefill-ab  `bench prefill` in both precision modes, A as the environment is and B with the
+#               assignments of B_ENV added (e.g. B_ENV="INDEXCP_SCORE_MAX_NT=8"), alternating, AB_ROUNDS
+#               (2) times; the bench's scorer lines go into summary.txt as each run ends
 # Environment: INDEXCP_SHARED_DIR (default ./shared), JOBS (16), BUILD_DIR (build-dev),
 #              INDEXCP_GIT_REV (stored in the records), BENCH_ARGS (extra args for every bench).
 set -uo pipefail
@@ -219,6 +222,26 @@ do_plan() {
   log "example rc=$? $(tail -2 "$RES/example-engine-step.log" | tr '\n' ' ')"
 }
 
+# An A/B of the prefill scorers in this build (bench/NOTES.md, v17). summary.txt gets each run's
+# scorer lines as it ends, so a call cut off at the device's limit still brings them back.
+do_prefill_ab() {
+  [ -n "${B_ENV:-}" ] || { log "prefill-ab: B_ENV is empty, so B would run as A"; return 2; }
+  local r prec v n
+  for r in $(seq 1 "${AB_ROUNDS:-2}"); do
+    for prec in fp32 fp8_mma; do
+      for v in $([ $((r % 2)) -eq 1 ] && echo A B || echo B A); do
+        n=$(cat "$OUT/bench.log" 2>/dev/null | wc -l)
+        if [ $v = B ]; then
+          (set -f; export $B_ENV; bench "prefill-$v-$prec-$r" prefill -q --replays 20 --repeats 1 --score-precision $prec)
+        else
+          bench "prefill-$v-$prec-$r" prefill -q --replays 20 --repeats 1 --score-precision $prec
+        fi
+        tail -n +$((n + 1)) "$OUT/bench.log" | grep -E '(prefill|gather) scorer' | tee -a "$OUT/summary.txt"
+      done
+    done
+  done
+}
+
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 for ph in $PHASES; do
   case $ph in
@@ -233,6 +256,7 @@ for ph in $PHASES; do
     run-multi) do_run_multi ;;
     engine) do_engine ;;
     plan) do_plan ;;
+    prefill-ab) do_prefill_ab ;;
   esac
 done
 tar -C "$RES" -cf "$OUT/records.tar" . 2>/dev/null
