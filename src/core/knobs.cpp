@@ -39,6 +39,11 @@ const std::vector<Knob>& knob_table() {
        "1, 2, 4, 8 or 16: the most query vectors per scorer CTA, in units of 8 (an experiment knob, bench/NOTES.md; "
        "4 is the prefill scorer before its 128-vector tiles; other values round down to one of these, a "
        "non-number is ignored); unset: 16."},
+      {"INDEXCP_SCORE_GEMM8", K::kEnv, "1", "library (CUDA)",
+       "0 or 1. indexer_score_precision fp8_mma with 128 query vectors per CTA on E4M3 keys (the prefill gather, an FP8 "
+       "cache of at least 128 rows per page): 1 scores them with the GEMM-shaped kernel (keys copied straight into the "
+       "wgmma operand, src/cuda/score/gemm8.cuh) on compute capability 9.0, 0 with the tile scorer (an experiment "
+       "knob, bench/NOTES.md; the same bits); unset: 1."},
       {"INDEXCP_SCORE_DEBUG", K::kEnv, "0", "library (CUDA)", "debug bits of the scorer kernel (development only)."},
       // ---- a rank of a multi-process group (set by indexcp launch; docs/multi-process.md)
       {"INDEXCP_WORLD", K::kEnv, "", "launcher -> rank",
@@ -103,6 +108,8 @@ const std::vector<Knob>& knob_table() {
       {"INDEXCP_SCORE_MINB", K::kMacro, "2", "build", "minimum CTAs per multiprocessor of the NVFP4 scorer (__launch_bounds__)."},
       {"INDEXCP_SCORE_WIDE_MINB", K::kMacro, "1", "build",
        "minimum CTAs per multiprocessor of the scorer at 64 query vectors per CTA (NT = 8; 2 caps it at 128 registers)."},
+      {"INDEXCP_SCORE_G8_STAGES", K::kMacro, "12", "build",
+       "16 KiB key stages of the GEMM-shaped fp8_mma scorer, both warpgroups' rings together (an even number >= 6)."},
       {"INDEXCP_SCORE_WGMMA", K::kMacro, "1", "build", "0 builds the scorer without wgmma (mma.sync only)."},
       {"INDEXCP_SCORE_WGMMA_MIN_NT", K::kMacro, "2", "build", "the smallest tile width NT (8-vector groups) that uses wgmma."},
       {"INDEXCP_SCORE_WGMMA_NT1", K::kMacro, "0", "build", "1 lets NT = 1 tiles use wgmma too (this and INDEXCP_SCORE_WGMMA_MIN_NT do not apply to "

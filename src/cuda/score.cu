@@ -45,6 +45,7 @@
 #include "score/ptx.cuh"
 #include "score/schedule.cuh"
 #include "score/tiles.cuh"
+#include "score/gemm8.cuh"
 
 namespace indexcp::cuda::detail {
 
@@ -423,6 +424,16 @@ __global__ void __launch_bounds__(warps_of<MODE>() * 32, minb_of<MODE, NT>()) sc
   }
 }
 
+// CTAs along x share each query slice's work items: ceil(2 x resident / slices) per slice, two to
+// four waves over all slices (grid.y: prefill chunks have hundreds), not a full wave per slice,
+// whose CTAs would each get a few items or none and spend the launch on their prologue
+unsigned grid_x(int per_sm, unsigned gy) {
+  const int64_t resident = static_cast<int64_t>(std::max(1, per_sm)) * sm_count();
+  unsigned gx = static_cast<unsigned>(std::clamp<int64_t>(ceil_div(2 * resident, static_cast<int64_t>(gy)), 1, resident));
+  if (const char* e = ::indexcp::detail::knob_env("INDEXCP_SCORE_CTAS")) gx = static_cast<unsigned>(std::max(1, std::atoi(e)));
+  return gx;
+}
+
 template <int MODE, int NT, bool STOCK, bool GATHER, bool M8>
 void launch_t(const ScoreArgs& a, dim3 grid, cudaStream_t stream) {
   constexpr int smem = score_smem_bytes<MODE, NT>(), kThreads = warps_of<MODE>() * 32;
@@ -436,15 +447,38 @@ void launch_t(const ScoreArgs& a, dim3 grid, cudaStream_t stream) {
   }
   int per_sm = 0;
   check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, kThreads, smem), "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-  dim3 g = grid;
-  // CTAs along x share each query slice's work items: ceil(2 x resident / slices) per slice, two
-  // to four waves over all slices (grid.y: prefill chunks have hundreds), not a full wave per
-  // slice, whose CTAs would each get a few items or none and spend the launch on their prologue
-  const int64_t resident = static_cast<int64_t>(std::max(1, per_sm)) * sm_count();
-  g.x = static_cast<unsigned>(std::clamp<int64_t>(ceil_div(2 * resident, static_cast<int64_t>(grid.y)), 1, resident));
-  if (const char* e = ::indexcp::detail::knob_env("INDEXCP_SCORE_CTAS")) g.x = static_cast<unsigned>(std::max(1, std::atoi(e)));
-  k<<<g, kThreads, smem, stream>>>(a);
+  k<<<dim3(grid_x(per_sm, grid.y), grid.y), kThreads, smem, stream>>>(a);
   INDEXCP_CUDA_LAUNCH_CHECK("score kernel launch");
+}
+
+// The GEMM-shaped fp8_mma scorer of E4M3 keys (score/gemm8.cuh): 128 query vectors per CTA.
+template <bool GATHER>
+void launch_gemm8(const ScoreArgs& a, unsigned gy, cudaStream_t stream) {
+  constexpr int smem = gemm8_smem_bytes();
+  static_assert(smem <= 227 * 1024, "shared memory");
+  auto k = gemm8_kernel<GATHER>;
+  check(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+        "cudaFuncSetAttribute (gemm8 score kernel shared memory)");
+  if (!a.plan_local) {
+    plan_kernel<GATHER><<<1, 1024, 0, stream>>>(a, const_cast<int32_t*>(a.plan));
+    INDEXCP_CUDA_LAUNCH_CHECK("score plan kernel launch");
+  }
+  int per_sm = 0;
+  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, kG8Threads, smem), "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  k<<<dim3(grid_x(per_sm, gy), gy), kG8Threads, smem, stream>>>(a);
+  INDEXCP_CUDA_LAUNCH_CHECK("gemm8 score kernel launch");
+}
+
+// The GEMM-shaped scorer runs where its code exists: the sm_90a cubin (compute capability 9.0)
+// and INDEXCP_SCORE_GEMM8 not "0" (an experiment knob: 0 keeps score_kernel's 128-vector tiles).
+bool gemm8_available() {
+  if (const char* e = ::indexcp::detail::knob_env("INDEXCP_SCORE_GEMM8"))
+    if (std::strcmp(e, "0") == 0) return false;
+  int dev = 0, major = 0, minor = 0;
+  check(cudaGetDevice(&dev), "cudaGetDevice");
+  check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "cudaDeviceGetAttribute");
+  check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev), "cudaDeviceGetAttribute");
+  return major == 9 && minor == 0;
 }
 
 template <int MODE, bool STOCK, bool GATHER, bool M8 = false>
@@ -455,6 +489,8 @@ void launch_nt(int nt, const ScoreArgs& a, dim3 grid, cudaStream_t stream) {
   else if (nt == 8) launch_t<MODE, 8, STOCK, GATHER, M8>(a, grid, stream);
   else launch_t<MODE, 16, STOCK, GATHER, M8>(a, grid, stream);
 }
+
+thread_local const char* t_last_kernel = "";
 
 std::mutex g_tables_mu;
 std::vector<int> g_tables_done;
@@ -493,7 +529,10 @@ void ensure_tables(cudaStream_t stream) {
   g_tables_done[dev] = 1;
 }
 
+const char* last_score_kernel() { return t_last_kernel; }
+
 void launch_score(const ScoreLaunch& s, cudaStream_t stream) {
+  t_last_kernel = "";
   if (s.rows.num_requests == 0 || s.nh == 0) return;
   ScoreArgs a;
   a.keys = s.keys;
@@ -554,7 +593,11 @@ void launch_score(const ScoreLaunch& s, cudaStream_t stream) {
   const dim3 grid(1, static_cast<unsigned>(gy));
   ensure_tables(stream);
   const bool stock = s.stock && R >= kBlockTokens;
-  if (m8) {
+  if (m8 && nt == kMaxNt && (s.keys.gather || (mode == kModeFp8 && R >= kBlockTokens)) && gemm8_available()) {
+    if (s.keys.gather) launch_gemm8<true>(a, grid.y, stream);
+    else launch_gemm8<false>(a, grid.y, stream);
+    t_last_kernel = "gemm8";
+  } else if (m8) {
     if (s.keys.gather) launch_nt<kModeFp8, false, true, true>(nt, a, grid, stream);
     else if (stock && mode == kModeFp8) launch_nt<kModeFp8, true, false, true>(nt, a, grid, stream);
     else if (stock) launch_nt<kModeE4m3, true, false, true>(nt, a, grid, stream);
@@ -573,6 +616,7 @@ void launch_score(const ScoreLaunch& s, cudaStream_t stream) {
       else launch_nt<kModeE4m3, false, false>(nt, a, grid, stream);
     }
   }
+  if (*t_last_kernel == '\0') t_last_kernel = "tiles";
   if (owned) check(cudaFreeAsync(owned, stream), "cudaFreeAsync (score plan)");
 }
 

@@ -1,0 +1,304 @@
+// The GEMM-shaped scorer of E4M3 keys in the fp8_mma form (issue "Prefill indexer at tensor-core
+// speed"): keys whose stored bytes are already the MMA operand (the prefill gather's FP8 rows, an
+// FP8 cache with at least 128 rows per page) go from global memory straight into the wgmma B
+// operand, with no expansion and no register staging. Private to score.cu (src/cuda/score.cu has
+// the overview).
+//
+// Shape: 256 threads = two warpgroups, each holding all 128 query vectors of the CTA's slice as the
+// A operand in registers (two m64 tiles of raw E4M3 bytes, loaded once per request: 32
+// registers), as the 128-vector tiles of score_kernel serve 128. A stage is one selection block:
+// 128 keys x 128 bytes (16 KiB) in the 128-byte-swizzled K-major layout; a warpgroup multiplies
+// it with two chains of 4 wgmma m64n128k32 (one per m64 tile). The block maximum of a query vector
+// is then a maximum over the 128 accumulator columns of its row: 31 fmax in the thread and a
+// reduce-scatter over the quad (no per-block maxima held across tiles). The two warpgroups take
+// alternate blocks ("ping-pong"): while one takes the maxima of its block, the other's chains keep
+// the tensor cores busy. (One warpgroup keeping two chains in flight over two accumulator sets was
+// the first form: ptxas serializes its wgmma, C7514, because a loop-carried chain is in flight.)
+//
+// The bits are those of every other scorer of the mode (form.hpp, form8_dim): k slot 16 half +
+// 4 t4 + i of k-step s8 multiplies dimension 32 t4 + 8 s8 + 4 half + i, with the queries as A and
+// the keys as B (score_kernel has them the other way round; the products and their order per
+// k-step are the same). So the copy places raw 4-byte piece p = 8 t4 + 2 s8 + half of a key
+// (dims 4p .. 4p + 3) at logical 16-byte chunk 2 s8 + half, word t4 of the key's 128-byte row, which
+// the swizzle stores at physical chunk (2 s8 + half) ^ (row & 7): one cp.async of 4 bytes per lane,
+// lane = p, one instruction per key row, conflict-free (the 32 lanes hit 32 different banks). The
+// GPU suite compares these scores with score_kernel's bit for bit (All/GpuFp8MmaForm.*,
+// GpuFp8Mma.GemmScorerEqualsTheTileScorer).
+//
+// Pipeline, per warpgroup: a ring of kG8Ring stages, kG8Ring - 2 blocks in flight. Each thread
+// copies its warp's 32 rows of a block (cp.async, one commit group per block), waits for the oldest
+// group, fences the writes for the async proxy, and the warpgroup's named barrier publishes the
+// block; the barrier also proves that the warpgroup's chains of the previous block are done.
+#pragma once
+
+#include <cub/block/block_scan.cuh>
+
+#include "cuda/common.cuh"
+#include "cuda/kernels.cuh"
+#include "cuda/score/ptx.cuh"
+#include "cuda/score/schedule.cuh"
+#include "cuda/score/tiles.cuh"
+
+namespace indexcp::cuda::detail {
+
+// Internal linkage on purpose: this header is part of score.cu's one translation unit.
+namespace {
+
+constexpr int kG8Threads = 256;
+constexpr int kG8Vectors = 128;  // query vectors per CTA (NT = 16)
+#ifndef INDEXCP_SCORE_G8_STAGES
+#define INDEXCP_SCORE_G8_STAGES 12
+#endif
+constexpr int kG8Stages = INDEXCP_SCORE_G8_STAGES;  // both rings
+constexpr int kG8Ring = kG8Stages / 2;               // stages of one warpgroup
+static_assert(kG8Stages % 2 == 0 && kG8Ring >= 3, "INDEXCP_SCORE_G8_STAGES: an even number >= 6");
+constexpr int kG8StageBytes = kBlockTokens * kHeadDim;  // 16 KiB
+constexpr int gemm8_smem_bytes() {
+  return 1024 /* alignment of the swizzled stages */ + kG8Stages * kG8StageBytes + kG8Stages * 4 + (kPlanLocal + 1) * 4;
+}
+
+// 4 bytes global -> shared (cp.async, through L1), the row offsets as immediates of the instruction
+template <int DOFF, int SOFF>
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0+%2], [%1+%3], 4;" ::"r"(dst), "l"(src), "n"(DOFF), "n"(SOFF) : "memory");
+}
+// Rows 16 h + i (i = 0..15) of a run: dst[i & 7] holds the lane's swizzled address of row i & 7.
+template <int H, int I = 0>
+__device__ __forceinline__ void cp_async_run(const uint32_t (&dst)[8], const uint8_t* src) {
+  if constexpr (I < 16) {
+    cp_async4<(16 * H + (I & 8)) * kHeadDim, I * kHeadDim>(dst[I & 7], src);
+    cp_async_run<H, I + 1>(dst, src);
+  }
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+// A value every lane of the warp holds, made visibly uniform for ptxas (redux.sync writes a uniform
+// register): the loops and branches around the wgmma instructions are then convergent (otherwise
+// ptxas serializes the wgmma instructions: C7518).
+__device__ __forceinline__ int32_t uniform(int32_t x) { return __reduce_max_sync(0xffffffffu, x); }
+// The barrier of one warpgroup (ids 1 and 2; 0 is __syncthreads).
+__device__ __forceinline__ void named_bar_sync(int id) {
+  asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory");
+}
+// The B descriptor of a K-major tile in the 128-byte swizzle (PTX ISA, "Matrix Descriptor
+// Format"): start address (the stage, 1024-aligned, plus 32 bytes per k-step), LBO unused (1), SBO
+// = 1024 bytes between groups of 8 rows, layout type 1 (128B swizzle) in bits 62-63.
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t saddr) {
+  return static_cast<uint64_t>((saddr & 0x3FFFFu) >> 4) | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) |
+         (uint64_t{1} << 62);
+}
+
+// The rows of pair s of request b that warp w of a warpgroup copies: rows 32 w .. 32 w + 31 of the
+// block, as two runs of 16 rows contiguous in memory (R is a multiple of 16 and a block starts on a
+// multiple of 128 of its page), src[0] and src[1]; false when the pair is not scored (past the
+// request's historical blocks, filtered out, or an invalid page id). Uniform over the CTA.
+template <bool GATHER>
+__device__ __forceinline__ bool gemm8_rows(const ScoreArgs& a, const Geo& G, int32_t b, const ReqInfo& ri, int32_t s,
+                                           int w, int32_t* blk, const uint8_t* (&src)[2]) {
+  if (GATHER) {
+    if (s >= ri.max_local) return false;
+    const int32_t lp = (s * kBlockTokens) >> G.lgP;
+    const int32_t k = a.block_table[static_cast<int64_t>(b) * a.max_pages + lp];
+    if (k < 0 || k >= a.keys.num_pages) return false;
+    *blk = s;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int32_t u = ((s * kBlockTokens) & (G.P - 1)) + 32 * w + 16 * h;
+      const int32_t owner = u >> G.lgR, row = u & (G.R - 1);  // owner rank and local row of offset u
+      src[h] = a.keys.base + ((static_cast<int64_t>(owner) * a.keys.num_pages + k) * G.R + row) * kHeadDim;
+    }
+    return true;
+  }
+  const int32_t lgspp = G.lgR - 7;  // blocks per page on this rank: R / 128 (R >= 128 here)
+  const int32_t lp = s >> lgspp;
+  if (lp >= ri.npages_needed) return false;
+  const int32_t j0 = (s & ((1 << lgspp) - 1)) << 7;
+  const int32_t bk = ((lp << G.lgP) + G.rank_off + j0) >> 7;
+  if (bk >= ri.max_local) return false;
+  if (a.filter_mod > 1 && bk % a.filter_mod != a.filter_res) return false;
+  const int32_t page = a.block_table[static_cast<int64_t>(b) * a.max_pages + lp];
+  if (page < 0 || page >= a.keys.num_pages) return false;
+  *blk = bk;
+  src[0] = a.keys.base + page * G.stride + static_cast<int64_t>(j0 + 32 * w) * G.rowb;
+  src[1] = src[0] + 16 * G.rowb;
+  return true;
+}
+
+// The epilogue of one block: the maxima over the 128 keys of the thread's four query vectors (rows
+// g and g + 8 of its warp's 16 in m64 tiles 0 and 1: values 2 m + r), reduce-scattered over the
+// quad so that lane t4 ends with value t4 over all 4 lanes (3 shuffles), and written where the
+// block is historical for the vector's row. fmaxf drops NaN as fold_max does, and max is exact,
+// so the order of the reduction does not change the result.
+__device__ __forceinline__ void gemm8_epilogue(const float (&acc)[2][16][4], int t4, int32_t blk, float* out,
+                                               int64_t obase, int32_t olim) {
+  float v[4];
+#pragma unroll
+  for (int m = 0; m < 2; ++m) {
+    float m0 = fmaxf(acc[m][0][0], acc[m][0][1]), m1 = fmaxf(acc[m][0][2], acc[m][0][3]);
+#pragma unroll
+    for (int j = 1; j < 16; ++j) {
+      m0 = fmaxf(m0, fmaxf(acc[m][j][0], acc[m][j][1]));
+      m1 = fmaxf(m1, fmaxf(acc[m][j][2], acc[m][j][3]));
+    }
+    v[2 * m] = m0;
+    v[2 * m + 1] = m1;
+  }
+  const bool hi = t4 & 2, lo = t4 & 1;
+  const float w0 = fmaxf(hi ? v[2] : v[0], __shfl_xor_sync(0xffffffffu, hi ? v[0] : v[2], 2));
+  const float w1 = fmaxf(hi ? v[3] : v[1], __shfl_xor_sync(0xffffffffu, hi ? v[1] : v[3], 2));
+  const float x = fmaxf(lo ? w1 : w0, __shfl_xor_sync(0xffffffffu, lo ? w0 : w1, 1));
+  if (blk < olim) out[obase + blk] = x;
+}
+
+template <bool GATHER>
+__global__ void __launch_bounds__(kG8Threads, 1) gemm8_kernel(const ScoreArgs a) {
+#if INDEXCP_HAVE_WGMMA
+  extern __shared__ __align__(128) unsigned char g8_smem[];
+  __shared__ typename cub::BlockScan<int32_t, kG8Threads>::TempStorage scan_tmp;
+  uint8_t* stages = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(g8_smem) + 1023) & ~uintptr_t{1023});
+  int32_t* smeta = reinterpret_cast<int32_t*>(stages + kG8Stages * kG8StageBytes);  // [kG8Stages]: the block of a stage
+  int32_t* splan = smeta + kG8Stages;                                               // [kPlanLocal + 1]
+
+  const int32_t B = a.rows.num_requests;
+  const int32_t n0 = blockIdx.y * kG8Vectors;
+  const Slice sl = a.plan_local ? Slice{n0, (n0 + kG8Vectors - 1) / a.nh} : Slice{};
+  const int32_t* plan = a.plan;
+  if (a.plan_local) {
+    plan_block<GATHER, kG8Threads>(a, sl, splan, scan_tmp);
+    plan = splan;
+  }
+  const int64_t total = plan[B];
+  const int64_t p0 = total * blockIdx.x / gridDim.x, p1 = total * (blockIdx.x + 1) / gridDim.x;
+  if (p0 >= p1) return;
+  int32_t b_first = 0;
+  {
+    int32_t lo = 0, hi = B - 1;  // largest b with plan[b] <= p0
+    while (lo < hi) {
+      const int32_t mid = (lo + hi + 1) >> 1;
+      if (plan[mid] <= p0) lo = mid;
+      else hi = mid - 1;
+    }
+    b_first = uniform(lo);
+  }
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  const int wg = warp >> 2, wq = warp & 3;
+  const Geo G(a.keys);
+  // this lane's 4-byte piece p = lane of a key row: logical chunk p & 7, word p >> 3 (see the top),
+  // stored in row r at r * 128 + (((p & 7) ^ (r & 7)) << 4) + 4 (p >> 3)
+  uint32_t lane_off[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+    lane_off[i] = static_cast<uint32_t>(i * kHeadDim) + ((static_cast<uint32_t>(lane & 7) ^ static_cast<uint32_t>(i)) << 4) +
+                  (static_cast<uint32_t>(lane >> 3) << 2);
+  const bool q_aligned = (reinterpret_cast<uintptr_t>(a.q) & 3u) == 0;
+
+  for (int32_t b = b_first; b < B && uniform(plan[b] < p1); ++b) {
+    const int64_t lo = plan[b] > p0 ? plan[b] : p0, hi = plan[b + 1] < p1 ? plan[b + 1] : p1;
+    const int32_t s0 = uniform(static_cast<int32_t>(lo - plan[b])), s1 = uniform(static_cast<int32_t>(hi - plan[b]));
+    if (s0 >= s1) continue;
+    const ReqInfo ri = request_info(a, b, sl);
+    const int32_t nvec = ri.cnt * a.nh;
+    // A: query vectors v(m, r) = n0 + 64 m + 16 wq + g + 8 r (rows g, g + 8 of this warp's 16 in
+    // m64 tile m), raw E4M3 words of form8_dim: k-step s8 takes dims 32 t4 + 8 s8 + 0..3 (a0 row g,
+    // a1 row g + 8) and + 4..7 (a2, a3)
+    uint32_t qa[2][4][4];
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int32_t v = n0 + 64 * m + 16 * wq + g + 8 * r;
+        const uint8_t* qv = nullptr;
+        if (v < nvec) {
+          const int32_t i = v / a.nh, hh = v % a.nh;
+          qv = a.q + ((static_cast<int64_t>(ri.row0) + i) * a.heads + a.h0 + hh) * kHeadDim + 32 * t4;
+        }
+#pragma unroll
+        for (int s8 = 0; s8 < 4; ++s8)
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            uint32_t w = 0u;  // (= +0.0 in E4M3) for vectors past nvec
+            if (qv != nullptr) {
+              const uint8_t* p = qv + 8 * s8 + 4 * half;
+              w = q_aligned ? *reinterpret_cast<const uint32_t*>(p)
+                            : static_cast<uint32_t>(p[0]) | static_cast<uint32_t>(p[1]) << 8 |
+                                  static_cast<uint32_t>(p[2]) << 16 | static_cast<uint32_t>(p[3]) << 24;
+            }
+            qa[m][s8][2 * half + r] = w;
+          }
+      }
+    // the score this lane writes: value t4 of the epilogue, vector v(t4 >> 1, t4 & 1)
+    int64_t obase = 0;
+    int32_t olim = 0;
+    {
+      const int32_t v = n0 + 64 * (t4 >> 1) + 16 * wq + g + 8 * (t4 & 1);
+      if (v < nvec) {
+        const int32_t i = v / a.nh, hh = v % a.nh;
+        olim = (ri.seq - ri.cnt + i) >> 7;  // historical blocks of this row (spec/indexer.md section 2)
+        obase = ((static_cast<int64_t>(ri.row0) + i) * a.nh + hh) * a.max_blocks;
+      }
+    }
+    if (!uniform(n0 < nvec)) continue;  // a slice past the request's vectors scores nothing
+
+    // this warpgroup's blocks of the request: pairs s0 + wg, s0 + wg + 2, ... (the other
+    // warpgroup takes the others), through its own ring of kG8Ring stages
+    named_bar_sync(1 + wg);  // its previous request's last stage has been read
+    int32_t next = s0 + wg;  // the next pair to look at
+    int head = 0;            // blocks issued
+    uint8_t* const ring = stages + wg * kG8Ring * kG8StageBytes;
+    int32_t* const rmeta = smeta + wg * kG8Ring;
+    const uint32_t ring0 = smem_u32(ring);
+    auto issue = [&]() {
+      while (next < s1) {
+        const int32_t s = next;
+        next += 2;
+        int32_t blk;
+        const uint8_t* src[2];
+        if (!gemm8_rows<GATHER>(a, G, b, ri, s, wq, &blk, src)) continue;
+        // warp wq copies rows 32 wq .. 32 wq + 31; lane = the 4-byte piece of each row
+        const uint32_t base = ring0 + static_cast<uint32_t>((head % kG8Ring) * kG8StageBytes + wq * 32 * kHeadDim);
+        uint32_t dst[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) dst[i] = base + lane_off[i];
+        cp_async_run<0>(dst, src[0] + 4 * lane);
+        cp_async_run<1>(dst, src[1] + 4 * lane);
+        if ((threadIdx.x & 127) == 0) rmeta[head % kG8Ring] = blk;
+        ++head;
+        return;
+      }
+    };
+#pragma unroll 1
+    for (int i = 0; i < kG8Ring - 2; ++i) {
+      issue();
+      cp_async_commit();
+    }
+    float acc[2][16][4];
+#pragma unroll 1
+    for (int t = 0; t < uniform(head); ++t) {
+      cp_async_wait<kG8Ring - 3>();
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the copies, for wgmma (async proxy)
+      named_bar_sync(1 + wg);  // block t is in; this warpgroup's chain of block t - 1 is done
+      const int32_t blk = rmeta[t % kG8Ring];
+      const uint32_t sa = ring0 + static_cast<uint32_t>((t % kG8Ring) * kG8StageBytes);
+      wg_fence();
+#pragma unroll
+      for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int s8 = 0; s8 < 4; ++s8) wgmma8_tile<16>(acc[m], qa[m][s8], sw128_desc(sa + 32 * s8), s8 > 0);
+      wg_commit();
+      // the refill (a block-table load, then the copies) while the chains run
+      issue();
+      cp_async_commit();
+      wg_wait0();
+      fence_acc<16>(acc[0]);
+      fence_acc<16>(acc[1]);
+      gemm8_epilogue(acc, t4, blk, a.scores, obase, olim);
+    }
+  }
+#endif
+}
+
+}  // namespace
+}  // namespace indexcp::cuda::detail
