@@ -28,6 +28,10 @@
 // NVFP4 with E4M3 rounding, the stored ones for FP8 keys) go unconverted to the FP8 tensor cores,
 // wgmma m64nNk32.e4m3 at every width, the queries as raw E4M3 bytes in the same core-matrix
 // layout (form.hpp, form8_dim; docs/precision.md for the accuracy of the mode).
+// At 128 query vectors per CTA in the mode, E4M3 keys that are stored as the operand itself (the
+// prefill gather's FP8 rows, an FP8 cache with R >= 128) go to gemm8_kernel instead (score/gemm8.cuh:
+// no expansion; keys as wgmma B, queries as A; the same products in the same k order, so the same
+// bits).
 #include <cuda_fp16.h>
 
 #include <cub/block/block_scan.cuh>
@@ -50,8 +54,6 @@
 namespace indexcp::cuda::detail {
 
 namespace {
-
-__device__ uint2 g_khat_lut[256];
 
 // M8: the fp8_mma form (indexer_score_precision "fp8_mma"): wgmma m64nNk32 on the E4M3 bytes for
 // every NT in the sm_90a code, so that the one chain of 4 MMAs per tile is the same in every
@@ -452,11 +454,11 @@ void launch_t(const ScoreArgs& a, dim3 grid, cudaStream_t stream) {
 }
 
 // The GEMM-shaped fp8_mma scorer of E4M3 keys (score/gemm8.cuh): 128 query vectors per CTA.
-template <bool GATHER>
+template <bool GATHER, bool NVFP4>
 void launch_gemm8(const ScoreArgs& a, unsigned gy, cudaStream_t stream) {
   constexpr int smem = gemm8_smem_bytes();
   static_assert(smem <= 227 * 1024, "shared memory");
-  auto k = gemm8_kernel<GATHER>;
+  auto k = gemm8_kernel<GATHER, NVFP4>;
   check(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
         "cudaFuncSetAttribute (gemm8 score kernel shared memory)");
   if (!a.plan_local) {
@@ -593,9 +595,10 @@ void launch_score(const ScoreLaunch& s, cudaStream_t stream) {
   const dim3 grid(1, static_cast<unsigned>(gy));
   ensure_tables(stream);
   const bool stock = s.stock && R >= kBlockTokens;
-  if (m8 && nt == kMaxNt && (s.keys.gather || (mode == kModeFp8 && R >= kBlockTokens)) && gemm8_available()) {
-    if (s.keys.gather) launch_gemm8<true>(a, grid.y, stream);
-    else launch_gemm8<false>(a, grid.y, stream);
+  if (m8 && nt == kMaxNt && (s.keys.gather || R >= kBlockTokens) && gemm8_available()) {
+    if (s.keys.gather) launch_gemm8<true, false>(a, grid.y, stream);
+    else if (mode == kModeFp8) launch_gemm8<false, false>(a, grid.y, stream);
+    else launch_gemm8<false, true>(a, grid.y, stream);  // NVFP4 with E4M3 rounding (fp8_mma refuses exact)
     t_last_kernel = "gemm8";
   } else if (m8) {
     if (s.keys.gather) launch_nt<kModeFp8, false, true, true>(nt, a, grid, stream);

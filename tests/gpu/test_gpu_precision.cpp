@@ -307,11 +307,12 @@ TEST(GpuFp8Mma, GatherAndLocalScorePrefillEqualReplicated) {
       }
 }
 
-// The GEMM-shaped scorer of E4M3 keys (src/cuda/score/gemm8.cuh: 128 query vectors per CTA, keys
-// straight into the wgmma operand, the queries as A) gives the bits of the tile scorer (score_kernel,
-// INDEXCP_SCORE_GEMM8=0) for every entry of prefill_scores on an FP8 cache: random data, 5 requests
-// (one of 700 rows, whose slices end on every side of a block boundary, one empty), 4 and 2 heads,
-// the in-CTA and the global work plan; and it is the kernel that ran (compute capability 9.0).
+// The GEMM-shaped scorer of E4M3 keys (src/cuda/score/gemm8.cuh: 128 query vectors per CTA, FP8 keys
+// copied straight into the wgmma operand or NVFP4 keys expanded into it, the queries as A) gives the
+// bits of the tile scorer (score_kernel, INDEXCP_SCORE_GEMM8=0) for every entry of prefill_scores
+// on FP8 and NVFP4 caches: random data, 5 requests (one of 700 rows, whose slices end on every side
+// of a block boundary, one empty), 4 and 2 heads, the in-CTA and the global work plan; and it is
+// the kernel that ran (compute capability 9.0).
 TEST(GpuFp8Mma, GemmScorerEqualsTheTileScorer) {
   REQUIRE_GPU();
   int dev = 0, major = 0, minor = 0;
@@ -319,9 +320,10 @@ TEST(GpuFp8Mma, GemmScorerEqualsTheTileScorer) {
   CUDA_OK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
   CUDA_OK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
   const bool sm90a = major == 9 && minor == 0;
+  for (KvDtype dt : {KvDtype::kFp8, KvDtype::kNvfp4})
   for (int32_t P : {128, 256}) {
     auto s = prefill_scene(P, 91u + P, false);
-    auto dev_c = device_shards(KvDtype::kFp8, s.req, 1, s.keys, s.slots);
+    auto dev_c = device_shards(dt, s.req, 1, s.keys, s.slots);
     DevPrefill d(s);
     int32_t max_rows = 1;
     for (size_t b = 0; b + 1 < s.qs.size(); ++b) max_rows = std::max(max_rows, s.qs[b + 1] - s.qs[b]);
@@ -339,7 +341,7 @@ TEST(GpuFp8Mma, GemmScorerEqualsTheTileScorer) {
           cuda::prefill_scores(dev_c[0], 0, d.b, nrows, max_rows, h0, nh, out.get(), nullptr, kF8);
           const std::string ran = cuda::detail::last_score_kernel();
           CUDA_OK(cudaDeviceSynchronize());
-          EXPECT_EQ(ran, tiles || !sm90a ? "tiles" : "gemm8") << "P" << P << " nh " << nh;
+          EXPECT_EQ(ran, tiles || !sm90a ? "tiles" : "gemm8") << to_string(dt) << " P" << P << " nh " << nh;
           got[tiles] = bits_of(out.host());
         }
         int64_t differ = 0, scored = 0;
@@ -347,7 +349,7 @@ TEST(GpuFp8Mma, GemmScorerEqualsTheTileScorer) {
           differ += got[0][i] != got[1][i];
           scored += got[0][i] != 0xff800000u;  // not -inf
         }
-        EXPECT_EQ(differ, 0) << "P" << P << " heads " << h0 << ".." << h0 + nh - 1 << " plan '" << plan
+        EXPECT_EQ(differ, 0) << to_string(dt) << " P" << P << " heads " << h0 << ".." << h0 + nh - 1 << " plan '" << plan
                              << "': the GEMM-shaped scorer differs from the tile scorer";
         EXPECT_GT(scored, 1000);
       }

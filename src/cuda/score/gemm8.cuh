@@ -54,7 +54,8 @@ constexpr int kG8Ring = kG8Stages / 2;               // stages of one warpgroup
 static_assert(kG8Stages % 2 == 0 && kG8Ring >= 3, "INDEXCP_SCORE_G8_STAGES: an even number >= 6");
 constexpr int kG8StageBytes = kBlockTokens * kHeadDim;  // 16 KiB
 constexpr int gemm8_smem_bytes() {
-  return 1024 /* alignment of the swizzled stages */ + kG8Stages * kG8StageBytes + kG8Stages * 4 + (kPlanLocal + 1) * 4;
+  return 1024 /* alignment of the swizzled stages */ + kG8Stages * kG8StageBytes + kG8Stages * 4 + (kPlanLocal + 2) * 4 +
+         256 * 8 /* the NVFP4 k_hat table */;
 }
 
 // 4 bytes global -> shared (cp.async, through L1), the row offsets as immediates of the instruction
@@ -127,6 +128,59 @@ __device__ __forceinline__ bool gemm8_rows(const ScoreArgs& a, const Geo& G, int
   return true;
 }
 
+// NVFP4 (R >= 128): the page of pair s and the block's first row j0 on it, or false (the checks of
+// gemm8_rows). Uniform over the CTA.
+__device__ __forceinline__ bool gemm8_page(const ScoreArgs& a, const Geo& G, int32_t b, const ReqInfo& ri, int32_t s,
+                                           int32_t* blk, const uint8_t** pg, int32_t* j0) {
+  const int32_t lgspp = G.lgR - 7;
+  const int32_t lp = s >> lgspp;
+  if (lp >= ri.npages_needed) return false;
+  *j0 = (s & ((1 << lgspp) - 1)) << 7;
+  const int32_t bk = ((lp << G.lgP) + G.rank_off + *j0) >> 7;
+  if (bk >= ri.max_local) return false;
+  if (a.filter_mod > 1 && bk % a.filter_mod != a.filter_res) return false;
+  const int32_t page = a.block_table[static_cast<int64_t>(b) * a.max_pages + lp];
+  if (page < 0 || page >= a.keys.num_pages) return false;
+  *blk = bk;
+  *pg = a.keys.base + page * G.stride;
+  return true;
+}
+
+// NVFP4 with E4M3 rounding: one key row (16 words of 8 codes, 8 scale bytes) expanded to its signed
+// E4M3 bytes (form_khat_bytes, the table of its scale; a negative scale flips the codes' signs, as
+// fix_negative_scales does for the tile scorer) and stored as the 8 swizzled 16-byte chunks of its
+// row of the stage: chunk c holds pieces c, c + 8, c + 16, c + 24 (word t4 = piece c + 8 t4 =
+// dims 4c + 32 t4 .. + 3), i.e. the lo (c even) or hi (c odd) bytes of code words c / 2 + 4 t4.
+// A warp's 8 consecutive rows write 8 different chunk positions per 16-byte store: no conflict.
+__device__ __forceinline__ void gemm8_expand_row(const uint4 (&rc)[4], uint2 rs, const uint2* lut, uint32_t row_addr,
+                                                 uint32_t r7) {
+  const uint32_t w[16] = {rc[0].x, rc[0].y, rc[0].z, rc[0].w, rc[1].x, rc[1].y, rc[1].z, rc[1].w,
+                          rc[2].x, rc[2].y, rc[2].z, rc[2].w, rc[3].x, rc[3].y, rc[3].z, rc[3].w};
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {  // chunks 4h .. 4h + 3: code words 2h, 2h + 1 (+ 4 t4)
+    uint32_t lo[2][4], hi[2][4];
+#pragma unroll
+    for (int jj = 0; jj < 2; ++jj)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int j = 2 * h + jj + 4 * k;  // code word j: dims 8j .. 8j + 7, scale group j / 2
+        const uint32_t e = ((j / 2) < 4 ? rs.x >> (8 * (j / 2)) : rs.y >> (8 * (j / 2 - 4))) & 0xffu;
+        const uint2 l = lut[e];
+        const uint32_t neg = (0u - (e >> 7)) & 0x88888888u;
+        form_khat_bytes(w[j] ^ neg, l.x, l.y, &lo[jj][k], &hi[jj][k]);
+      }
+#pragma unroll
+    for (int c4 = 0; c4 < 4; ++c4) {
+      const int c = 4 * h + c4, jj = c4 >> 1;
+      const bool odd = c & 1;
+      const uint32_t dst = row_addr + ((static_cast<uint32_t>(c) ^ r7) << 4);
+      asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(dst), "r"(odd ? hi[jj][0] : lo[jj][0]),
+                   "r"(odd ? hi[jj][1] : lo[jj][1]), "r"(odd ? hi[jj][2] : lo[jj][2]), "r"(odd ? hi[jj][3] : lo[jj][3])
+                   : "memory");
+    }
+  }
+}
+
 // The epilogue of one block: the maxima over the 128 keys of the thread's four query vectors (rows
 // g and g + 8 of its warp's 16 in m64 tiles 0 and 1: values 2 m + r), reduce-scattered over the
 // quad so that lane t4 ends with value t4 over all 4 lanes (3 shuffles), and written where the
@@ -153,7 +207,9 @@ __device__ __forceinline__ void gemm8_epilogue(const float (&acc)[2][16][4], int
   if (blk < olim) out[obase + blk] = x;
 }
 
-template <bool GATHER>
+// NVFP4: the keys are an NVFP4 cache with E4M3 rounding and R >= 128 (not GATHER): expanded by the
+// warpgroup's threads (gemm8_expand_row) instead of copied.
+template <bool GATHER, bool NVFP4>
 __global__ void __launch_bounds__(kG8Threads, 1) gemm8_kernel(const ScoreArgs a) {
 #if INDEXCP_HAVE_WGMMA
   extern __shared__ __align__(128) unsigned char g8_smem[];
@@ -161,6 +217,9 @@ __global__ void __launch_bounds__(kG8Threads, 1) gemm8_kernel(const ScoreArgs a)
   uint8_t* stages = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(g8_smem) + 1023) & ~uintptr_t{1023});
   int32_t* smeta = reinterpret_cast<int32_t*>(stages + kG8Stages * kG8StageBytes);  // [kG8Stages]: the block of a stage
   int32_t* splan = smeta + kG8Stages;                                               // [kPlanLocal + 1]
+  uint2* lut = reinterpret_cast<uint2*>(splan + kPlanLocal + 2);                    // [256] (NVFP4)
+  if constexpr (NVFP4)
+    for (int i = threadIdx.x; i < 256; i += kG8Threads) lut[i] = g_khat_lut[i];  // (published by plan_block's barriers)
 
   const int32_t B = a.rows.num_requests;
   const int32_t n0 = blockIdx.y * kG8Vectors;
@@ -170,6 +229,7 @@ __global__ void __launch_bounds__(kG8Threads, 1) gemm8_kernel(const ScoreArgs a)
     plan_block<GATHER, kG8Threads>(a, sl, splan, scan_tmp);
     plan = splan;
   }
+  if constexpr (NVFP4) __syncthreads();  // the table
   const int64_t total = plan[B];
   const int64_t p0 = total * blockIdx.x / gridDim.x, p1 = total * (blockIdx.x + 1) / gridDim.x;
   if (p0 >= p1) return;
@@ -250,36 +310,9 @@ __global__ void __launch_bounds__(kG8Threads, 1) gemm8_kernel(const ScoreArgs a)
     uint8_t* const ring = stages + wg * kG8Ring * kG8StageBytes;
     int32_t* const rmeta = smeta + wg * kG8Ring;
     const uint32_t ring0 = smem_u32(ring);
-    auto issue = [&]() {
-      while (next < s1) {
-        const int32_t s = next;
-        next += 2;
-        int32_t blk;
-        const uint8_t* src[2];
-        if (!gemm8_rows<GATHER>(a, G, b, ri, s, wq, &blk, src)) continue;
-        // warp wq copies rows 32 wq .. 32 wq + 31; lane = the 4-byte piece of each row
-        const uint32_t base = ring0 + static_cast<uint32_t>((head % kG8Ring) * kG8StageBytes + wq * 32 * kHeadDim);
-        uint32_t dst[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) dst[i] = base + lane_off[i];
-        cp_async_run<0>(dst, src[0] + 4 * lane);
-        cp_async_run<1>(dst, src[1] + 4 * lane);
-        if ((threadIdx.x & 127) == 0) rmeta[head % kG8Ring] = blk;
-        ++head;
-        return;
-      }
-    };
-#pragma unroll 1
-    for (int i = 0; i < kG8Ring - 2; ++i) {
-      issue();
-      cp_async_commit();
-    }
     float acc[2][16][4];
-#pragma unroll 1
-    for (int t = 0; t < uniform(head); ++t) {
-      cp_async_wait<kG8Ring - 3>();
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the copies, for wgmma (async proxy)
-      named_bar_sync(1 + wg);  // block t is in; this warpgroup's chain of block t - 1 is done
+    // block t of this warpgroup: multiply stage t, refill, take the maxima
+    auto chain = [&](int t) -> int32_t {
       const int32_t blk = rmeta[t % kG8Ring];
       const uint32_t sa = ring0 + static_cast<uint32_t>((t % kG8Ring) * kG8StageBytes);
       wg_fence();
@@ -288,13 +321,95 @@ __global__ void __launch_bounds__(kG8Threads, 1) gemm8_kernel(const ScoreArgs a)
 #pragma unroll
         for (int s8 = 0; s8 < 4; ++s8) wgmma8_tile<16>(acc[m], qa[m][s8], sw128_desc(sa + 32 * s8), s8 > 0);
       wg_commit();
-      // the refill (a block-table load, then the copies) while the chains run
-      issue();
-      cp_async_commit();
+      return blk;
+    };
+    auto finish = [&](int32_t blk) {
       wg_wait0();
       fence_acc<16>(acc[0]);
       fence_acc<16>(acc[1]);
       gemm8_epilogue(acc, t4, blk, a.scores, obase, olim);
+    };
+    if constexpr (NVFP4) {
+      // the raw codes and scales of this thread's row (row 32 wq + lane of the block) of the next
+      // block in registers, one block ahead of the expansion, which is one block ahead of the MMA
+      const int row = 32 * wq + lane;
+      uint4 rc[4];
+      uint2 rs;
+      int32_t raw_blk = -1;
+      auto load_next = [&]() {
+        raw_blk = -1;
+        while (next < s1) {
+          const int32_t s = next;
+          next += 2;
+          int32_t blk, j0;
+          const uint8_t* pg;
+          if (!gemm8_page(a, G, b, ri, s, &blk, &pg, &j0)) continue;
+          const uint4* codes = reinterpret_cast<const uint4*>(pg + static_cast<int64_t>(j0 + row) * kNvfp4DataBytesPerKey);
+#pragma unroll
+          for (int k = 0; k < 4; ++k) rc[k] = codes[k];
+          rs = *reinterpret_cast<const uint2*>(pg + G.scale0 + static_cast<int64_t>(j0 + row) * kNvfp4ScalesPerKey);
+          raw_blk = blk;
+          return;
+        }
+      };
+      auto expand = [&]() {  // the loaded block into stage head
+        const uint32_t addr = ring0 + static_cast<uint32_t>((head % kG8Ring) * kG8StageBytes + row * kHeadDim);
+        gemm8_expand_row(rc, rs, lut, addr, static_cast<uint32_t>(lane & 7));
+        if ((threadIdx.x & 127) == 0) rmeta[head % kG8Ring] = raw_blk;
+        ++head;
+      };
+      load_next();
+      if (uniform(raw_blk >= 0)) {
+        expand();
+        load_next();
+      }
+#pragma unroll 1
+      for (int t = 0; t < uniform(head); ++t) {
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the expanded stage, for wgmma
+        named_bar_sync(1 + wg);  // stage t is written; this warpgroup's chains of block t - 1 are done
+        const int32_t blk = chain(t);
+        if (uniform(raw_blk >= 0)) {  // expand block t + 1 (stage t + 1 was read by block t + 1 - kG8Ring)
+          expand();
+          load_next();
+        }
+        finish(blk);
+      }
+    } else {
+      auto issue = [&]() {
+        while (next < s1) {
+          const int32_t s = next;
+          next += 2;
+          int32_t blk;
+          const uint8_t* src[2];
+          if (!gemm8_rows<GATHER>(a, G, b, ri, s, wq, &blk, src)) continue;
+          // warp wq copies rows 32 wq .. 32 wq + 31; lane = the 4-byte piece of each row
+          const uint32_t base = ring0 + static_cast<uint32_t>((head % kG8Ring) * kG8StageBytes + wq * 32 * kHeadDim);
+          uint32_t dst[8];
+#pragma unroll
+          for (int i = 0; i < 8; ++i) dst[i] = base + lane_off[i];
+          cp_async_run<0>(dst, src[0] + 4 * lane);
+          cp_async_run<1>(dst, src[1] + 4 * lane);
+          if ((threadIdx.x & 127) == 0) rmeta[head % kG8Ring] = blk;
+          ++head;
+          return;
+        }
+      };
+#pragma unroll 1
+      for (int i = 0; i < kG8Ring - 2; ++i) {
+        issue();
+        cp_async_commit();
+      }
+#pragma unroll 1
+      for (int t = 0; t < uniform(head); ++t) {
+        cp_async_wait<kG8Ring - 3>();
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the copies, for wgmma (async proxy)
+        named_bar_sync(1 + wg);  // block t is in; this warpgroup's chains of block t - 1 are done
+        const int32_t blk = chain(t);
+        // the refill (a block-table load, then the copies) while the chains run
+        issue();
+        cp_async_commit();
+        finish(blk);
+      }
     }
   }
 #endif

@@ -17,6 +17,10 @@ namespace indexcp::cuda::detail {
 // Internal linkage on purpose: this header is part of score.cu's one translation unit.
 namespace {
 
+// The E4M3 k_hat table (256 scale bytes x 8 magnitudes: form_khat_entry), uploaded by
+// ensure_tables; each CTA that needs it copies it into shared memory.
+__device__ uint2 g_khat_lut[256];
+
 // ---- key expansion ----------------------------------------------------------------------------
 // The k order and the integer code are form.hpp's (the dot-product form, tested on the CPU):
 // word j of a thread's row (dims 8j .. 8j + 7 of its 32) feeds k-steps 2j (pairs h[0], h[1]) and
