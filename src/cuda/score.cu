@@ -29,7 +29,7 @@
 // wgmma m64nNk32.e4m3 at every width, the queries as raw E4M3 bytes in the same core-matrix
 // layout (form.hpp, form8_dim; docs/precision.md for the accuracy of the mode).
 // At 128 query vectors per CTA in the mode, E4M3 keys that are stored as the operand itself (the
-// prefill gather's FP8 rows, an FP8 cache with R >= 128) go to gemm8_kernel instead (score/gemm8.cuh:
+// prefill gather's FP8 rows, an FP8 cache with R >= 128) go to gemm8_score_kernel instead (score/gemm8.cuh:
 // no expansion; keys as wgmma B, queries as A; the same products in the same k order, so the same
 // bits).
 #include <cuda_fp16.h>
@@ -458,7 +458,7 @@ template <bool GATHER, bool NVFP4>
 void launch_gemm8(const ScoreArgs& a, unsigned gy, cudaStream_t stream) {
   constexpr int smem = gemm8_smem_bytes();
   static_assert(smem <= 227 * 1024, "shared memory");
-  auto k = gemm8_kernel<GATHER, NVFP4>;
+  auto k = gemm8_score_kernel<GATHER, NVFP4>;
   check(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
         "cudaFuncSetAttribute (gemm8 score kernel shared memory)");
   if (!a.plan_local) {

@@ -92,24 +92,31 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t saddr) {
          (uint64_t{1} << 62);
 }
 
-// The rows of pair s of request b that warp w of a warpgroup copies: rows 32 w .. 32 w + 31 of the
-// block, as two runs of 16 rows contiguous in memory (R is a multiple of 16 and a block starts on a
-// multiple of 128 of its page), src[0] and src[1]; false when the pair is not scored (past the
-// request's historical blocks, filtered out, or an invalid page id). Uniform over the CTA.
+// The block-table entry of pair s of request b (a page id, or the gather's unit), or -1 past the
+// pages the request needs. Read one pair ahead of its use (the refills' `pend`), so that its load
+// latency is not waited for in the loop. Uniform over the CTA.
 template <bool GATHER>
-__device__ __forceinline__ bool gemm8_rows(const ScoreArgs& a, const Geo& G, int32_t b, const ReqInfo& ri, int32_t s,
+__device__ __forceinline__ int32_t gemm8_bt(const ScoreArgs& a, const Geo& G, int32_t b, const ReqInfo& ri, int32_t s) {
+  const int32_t lp = GATHER ? (s * kBlockTokens) >> G.lgP : s >> (G.lgR - 7);
+  if (GATHER ? s >= ri.max_local : lp >= ri.npages_needed) return -1;
+  return a.block_table[static_cast<int64_t>(b) * a.max_pages + lp];
+}
+
+// The rows of pair s (block-table entry `page`) that warp w of a warpgroup copies: rows 32 w .. 32 w
+// + 31 of the block, as two runs of 16 rows contiguous in memory (R is a multiple of 16 and a block
+// starts on a multiple of 128 of its page), src[0] and src[1]; false when the pair is not scored
+// (past the request's historical blocks, filtered out, or an invalid page id). Uniform over the CTA.
+template <bool GATHER>
+__device__ __forceinline__ bool gemm8_rows(const ScoreArgs& a, const Geo& G, const ReqInfo& ri, int32_t s, int32_t page,
                                            int w, int32_t* blk, const uint8_t* (&src)[2]) {
   if (GATHER) {
-    if (s >= ri.max_local) return false;
-    const int32_t lp = (s * kBlockTokens) >> G.lgP;
-    const int32_t k = a.block_table[static_cast<int64_t>(b) * a.max_pages + lp];
-    if (k < 0 || k >= a.keys.num_pages) return false;
+    if (s >= ri.max_local || page < 0 || page >= a.keys.num_pages) return false;
     *blk = s;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int32_t u = ((s * kBlockTokens) & (G.P - 1)) + 32 * w + 16 * h;
       const int32_t owner = u >> G.lgR, row = u & (G.R - 1);  // owner rank and local row of offset u
-      src[h] = a.keys.base + ((static_cast<int64_t>(owner) * a.keys.num_pages + k) * G.R + row) * kHeadDim;
+      src[h] = a.keys.base + ((static_cast<int64_t>(owner) * a.keys.num_pages + page) * G.R + row) * kHeadDim;
     }
     return true;
   }
@@ -120,7 +127,6 @@ __device__ __forceinline__ bool gemm8_rows(const ScoreArgs& a, const Geo& G, int
   const int32_t bk = ((lp << G.lgP) + G.rank_off + j0) >> 7;
   if (bk >= ri.max_local) return false;
   if (a.filter_mod > 1 && bk % a.filter_mod != a.filter_res) return false;
-  const int32_t page = a.block_table[static_cast<int64_t>(b) * a.max_pages + lp];
   if (page < 0 || page >= a.keys.num_pages) return false;
   *blk = bk;
   src[0] = a.keys.base + page * G.stride + static_cast<int64_t>(j0 + 32 * w) * G.rowb;
@@ -128,9 +134,9 @@ __device__ __forceinline__ bool gemm8_rows(const ScoreArgs& a, const Geo& G, int
   return true;
 }
 
-// NVFP4 (R >= 128): the page of pair s and the block's first row j0 on it, or false (the checks of
-// gemm8_rows). Uniform over the CTA.
-__device__ __forceinline__ bool gemm8_page(const ScoreArgs& a, const Geo& G, int32_t b, const ReqInfo& ri, int32_t s,
+// NVFP4 (R >= 128): the page of pair s (block-table entry `page`) and the block's first row j0 on
+// it, or false (the checks of gemm8_rows). Uniform over the CTA.
+__device__ __forceinline__ bool gemm8_page(const ScoreArgs& a, const Geo& G, const ReqInfo& ri, int32_t s, int32_t page,
                                            int32_t* blk, const uint8_t** pg, int32_t* j0) {
   const int32_t lgspp = G.lgR - 7;
   const int32_t lp = s >> lgspp;
@@ -139,7 +145,6 @@ __device__ __forceinline__ bool gemm8_page(const ScoreArgs& a, const Geo& G, int
   const int32_t bk = ((lp << G.lgP) + G.rank_off + *j0) >> 7;
   if (bk >= ri.max_local) return false;
   if (a.filter_mod > 1 && bk % a.filter_mod != a.filter_res) return false;
-  const int32_t page = a.block_table[static_cast<int64_t>(b) * a.max_pages + lp];
   if (page < 0 || page >= a.keys.num_pages) return false;
   *blk = bk;
   *pg = a.keys.base + page * G.stride;
@@ -210,7 +215,7 @@ __device__ __forceinline__ void gemm8_epilogue(const float (&acc)[2][16][4], int
 // NVFP4: the keys are an NVFP4 cache with E4M3 rounding and R >= 128 (not GATHER): expanded by the
 // warpgroup's threads (gemm8_expand_row) instead of copied.
 template <bool GATHER, bool NVFP4>
-__global__ void __launch_bounds__(kG8Threads, 1) gemm8_kernel(const ScoreArgs a) {
+__global__ void __launch_bounds__(kG8Threads, 1) gemm8_score_kernel(const ScoreArgs a) {
 #if INDEXCP_HAVE_WGMMA
   extern __shared__ __align__(128) unsigned char g8_smem[];
   __shared__ typename cub::BlockScan<int32_t, kG8Threads>::TempStorage scan_tmp;
@@ -306,6 +311,7 @@ __global__ void __launch_bounds__(kG8Threads, 1) gemm8_kernel(const ScoreArgs a)
     // warpgroup takes the others), through its own ring of kG8Ring stages
     named_bar_sync(1 + wg);  // its previous request's last stage has been read
     int32_t next = s0 + wg;  // the next pair to look at
+    int32_t pend = next < s1 ? gemm8_bt<GATHER>(a, G, b, ri, next) : -1;  // its block-table entry
     int head = 0;            // blocks issued
     uint8_t* const ring = stages + wg * kG8Ring * kG8StageBytes;
     int32_t* const rmeta = smeta + wg * kG8Ring;
@@ -339,11 +345,12 @@ __global__ void __launch_bounds__(kG8Threads, 1) gemm8_kernel(const ScoreArgs a)
       auto load_next = [&]() {
         raw_blk = -1;
         while (next < s1) {
-          const int32_t s = next;
+          const int32_t s = next, page = pend;
           next += 2;
+          pend = next < s1 ? gemm8_bt<GATHER>(a, G, b, ri, next) : -1;  // used by the next refill
           int32_t blk, j0;
           const uint8_t* pg;
-          if (!gemm8_page(a, G, b, ri, s, &blk, &pg, &j0)) continue;
+          if (!gemm8_page(a, G, ri, s, page, &blk, &pg, &j0)) continue;
           const uint4* codes = reinterpret_cast<const uint4*>(pg + static_cast<int64_t>(j0 + row) * kNvfp4DataBytesPerKey);
 #pragma unroll
           for (int k = 0; k < 4; ++k) rc[k] = codes[k];
@@ -377,11 +384,12 @@ __global__ void __launch_bounds__(kG8Threads, 1) gemm8_kernel(const ScoreArgs a)
     } else {
       auto issue = [&]() {
         while (next < s1) {
-          const int32_t s = next;
+          const int32_t s = next, page = pend;
           next += 2;
+          pend = next < s1 ? gemm8_bt<GATHER>(a, G, b, ri, next) : -1;  // used by the next refill
           int32_t blk;
           const uint8_t* src[2];
-          if (!gemm8_rows<GATHER>(a, G, b, ri, s, wq, &blk, src)) continue;
+          if (!gemm8_rows<GATHER>(a, G, ri, s, page, wq, &blk, src)) continue;
           // warp wq copies rows 32 wq .. 32 wq + 31; lane = the 4-byte piece of each row
           const uint32_t base = ring0 + static_cast<uint32_t>((head % kG8Ring) * kG8StageBytes + wq * 32 * kHeadDim);
           uint32_t dst[8];
