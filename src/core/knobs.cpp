@@ -40,10 +40,11 @@ const std::vector<Knob>& knob_table() {
        "4 is the prefill scorer before its 128-vector tiles; other values round down to one of these, a "
        "non-number is ignored); unset: 16."},
       {"INDEXCP_SCORE_GEMM8", K::kEnv, "1", "library (CUDA)",
-       "0 or 1. indexer_score_precision fp8_mma with 128 query vectors per CTA on E4M3 keys (the prefill gather, an FP8 "
-       "cache of at least 128 rows per page): 1 scores them with the GEMM-shaped kernel (keys copied straight into the "
-       "wgmma operand, src/cuda/score/gemm8.cuh) on compute capability 9.0, 0 with the tile scorer (an experiment "
-       "knob, bench/NOTES.md; the same bits); unset: 1."},
+       "0, 1 or 2. indexer_score_precision fp8_mma with 128 query vectors per CTA on compute capability 9.0: 1 scores "
+       "FP8 keys (the prefill gather, an FP8 cache of at least 128 rows per page) with the GEMM-shaped kernel (keys "
+       "copied straight into the wgmma operand, src/cuda/score/gemm8.cuh), 2 also NVFP4 keys (expanded in that kernel; "
+       "slower, an experiment), 0 none (the tile scorer; the same bits); unset or another value: 1 (an experiment "
+       "knob, bench/NOTES.md)."},
       {"INDEXCP_SCORE_DEBUG", K::kEnv, "0", "library (CUDA)", "debug bits of the scorer kernel (development only)."},
       // ---- a rank of a multi-process group (set by indexcp launch; docs/multi-process.md)
       {"INDEXCP_WORLD", K::kEnv, "", "launcher -> rank",

@@ -29,9 +29,9 @@
 // wgmma m64nNk32.e4m3 at every width, the queries as raw E4M3 bytes in the same core-matrix
 // layout (form.hpp, form8_dim; docs/precision.md for the accuracy of the mode).
 // At 128 query vectors per CTA in the mode, E4M3 keys that are stored as the operand itself (the
-// prefill gather's FP8 rows, an FP8 cache with R >= 128) go to gemm8_score_kernel instead (score/gemm8.cuh:
-// no expansion; keys as wgmma B, queries as A; the same products in the same k order, so the same
-// bits).
+// prefill gather's FP8 rows, an FP8 cache with R >= 128) go to gemm8_score_kernel instead
+// (score/gemm8.cuh: no expansion; keys as wgmma B, queries as A; the same products in the same k
+// order, so the same bits). INDEXCP_SCORE_GEMM8 (gemm8_level) chooses which keys it takes.
 #include <cuda_fp16.h>
 
 #include <cub/block/block_scan.cuh>
@@ -471,16 +471,21 @@ void launch_gemm8(const ScoreArgs& a, unsigned gy, cudaStream_t stream) {
   INDEXCP_CUDA_LAUNCH_CHECK("gemm8 score kernel launch");
 }
 
-// The GEMM-shaped scorer runs where its code exists: the sm_90a cubin (compute capability 9.0)
-// and INDEXCP_SCORE_GEMM8 not "0" (an experiment knob: 0 keeps score_kernel's 128-vector tiles).
-bool gemm8_available() {
-  if (const char* e = ::indexcp::detail::knob_env("INDEXCP_SCORE_GEMM8"))
-    if (std::strcmp(e, "0") == 0) return false;
+// Which keys the GEMM-shaped scorer takes: 0 none, 1 FP8 keys (the default), 2 NVFP4 keys too (an
+// experiment: its in-kernel expansion measured slower than the tile scorer, bench/NOTES.md v18).
+// Only where its code exists: the sm_90a cubin (compute capability 9.0).
+int gemm8_level() {
+  int level = 1;
+  if (const char* e = ::indexcp::detail::knob_env("INDEXCP_SCORE_GEMM8")) {
+    if (std::strcmp(e, "0") == 0) level = 0;
+    else if (std::strcmp(e, "2") == 0) level = 2;
+  }
+  if (level == 0) return 0;
   int dev = 0, major = 0, minor = 0;
   check(cudaGetDevice(&dev), "cudaGetDevice");
   check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "cudaDeviceGetAttribute");
   check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev), "cudaDeviceGetAttribute");
-  return major == 9 && minor == 0;
+  return major == 9 && minor == 0 ? level : 0;
 }
 
 template <int MODE, bool STOCK, bool GATHER, bool M8 = false>
@@ -595,7 +600,8 @@ void launch_score(const ScoreLaunch& s, cudaStream_t stream) {
   const dim3 grid(1, static_cast<unsigned>(gy));
   ensure_tables(stream);
   const bool stock = s.stock && R >= kBlockTokens;
-  if (m8 && nt == kMaxNt && (s.keys.gather || R >= kBlockTokens) && gemm8_available()) {
+  const int g8 = m8 && nt == kMaxNt && (s.keys.gather || R >= kBlockTokens) ? gemm8_level() : 0;
+  if (g8 >= (mode == kModeFp8 ? 1 : 2)) {
     if (s.keys.gather) launch_gemm8<true, false>(a, grid.y, stream);
     else if (mode == kModeFp8) launch_gemm8<false, false>(a, grid.y, stream);
     else launch_gemm8<false, true>(a, grid.y, stream);  // NVFP4 with E4M3 rounding (fp8_mma refuses exact)

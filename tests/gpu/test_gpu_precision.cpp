@@ -312,7 +312,8 @@ TEST(GpuFp8Mma, GatherAndLocalScorePrefillEqualReplicated) {
 // bits of the tile scorer (score_kernel, INDEXCP_SCORE_GEMM8=0) for every entry of prefill_scores
 // on FP8 and NVFP4 caches: random data, 5 requests (one of 700 rows, whose slices end on every side
 // of a block boundary, one empty), 4 and 2 heads, the in-CTA and the global work plan; and it is
-// the kernel that ran (compute capability 9.0).
+// the kernel that ran (compute capability 9.0), by default on FP8 keys and with
+// INDEXCP_SCORE_GEMM8=2 on NVFP4 keys.
 TEST(GpuFp8Mma, GemmScorerEqualsTheTileScorer) {
   REQUIRE_GPU();
   int dev = 0, major = 0, minor = 0;
@@ -336,13 +337,21 @@ TEST(GpuFp8Mma, GemmScorerEqualsTheTileScorer) {
         DevArr<float> out(static_cast<size_t>(nrows) * nh * mb);
         std::vector<uint32_t> got[2];
         for (int tiles = 0; tiles < 2; ++tiles) {
-          gemm8.set(tiles ? "0" : "");
+          gemm8.set(tiles ? "0" : "2");  // 2: NVFP4 keys too (1, the default, takes FP8 keys only)
           out.fill_bytes(0x7f);  // NaN-free garbage: every entry must be written
           cuda::prefill_scores(dev_c[0], 0, d.b, nrows, max_rows, h0, nh, out.get(), nullptr, kF8);
           const std::string ran = cuda::detail::last_score_kernel();
           CUDA_OK(cudaDeviceSynchronize());
           EXPECT_EQ(ran, tiles || !sm90a ? "tiles" : "gemm8") << to_string(dt) << " P" << P << " nh " << nh;
           got[tiles] = bits_of(out.host());
+        }
+        {  // the default: FP8 keys only
+          gemm8.set("");
+          cuda::prefill_scores(dev_c[0], 0, d.b, nrows, max_rows, h0, nh, out.get(), nullptr, kF8);
+          const std::string ran = cuda::detail::last_score_kernel();
+          CUDA_OK(cudaDeviceSynchronize());
+          EXPECT_EQ(ran, sm90a && dt == KvDtype::kFp8 ? "gemm8" : "tiles") << to_string(dt) << " P" << P;
+          EXPECT_EQ(bits_of(out.host()), got[dt == KvDtype::kFp8 ? 0 : 1]) << to_string(dt) << " P" << P;
         }
         int64_t differ = 0, scored = 0;
         for (size_t i = 0; i < got[0].size(); ++i) {

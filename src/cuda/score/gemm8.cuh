@@ -1,8 +1,10 @@
 // The GEMM-shaped scorer of E4M3 keys in the fp8_mma form (issue "Prefill indexer at tensor-core
 // speed"): keys whose stored bytes are already the MMA operand (the prefill gather's FP8 rows, an
 // FP8 cache with at least 128 rows per page) go from global memory straight into the wgmma B
-// operand, with no expansion and no register staging. Private to score.cu (src/cuda/score.cu has
-// the overview).
+// operand, with no expansion and no register staging. NVFP4 keys (E4M3 rounding, R >= 128) can be
+// expanded into it by the warpgroup's threads instead (INDEXCP_SCORE_GEMM8=2 only: measured slower
+// than the tile scorer, bench/NOTES.md v18). Private to score.cu (src/cuda/score.cu has the
+// overview).
 //
 // Shape: 256 threads = two warpgroups, each holding all 128 query vectors of the CTA's slice as the
 // A operand in registers (two m64 tiles of raw E4M3 bytes, loaded once per request: 32
