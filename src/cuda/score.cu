@@ -473,8 +473,13 @@ void launch_gemm8(const ScoreArgs& a, unsigned gy, cudaStream_t stream) {
 
 // Which keys the GEMM-shaped scorer takes: 0 none, 1 FP8 keys (the default), 2 NVFP4 keys too (an
 // experiment: its in-kernel expansion measured slower than the tile scorer, bench/NOTES.md v18).
-// Only where its code exists: the sm_90a cubin (compute capability 9.0).
+// Only where its code exists: a build with an sm_90a cubin and wgmma (INDEXCP_BUILD_SM90A from
+// src/cuda/CMakeLists.txt, INDEXCP_SCORE_WGMMA), run on compute capability 9.0.
+#ifndef INDEXCP_BUILD_SM90A
+#define INDEXCP_BUILD_SM90A 0
+#endif
 int gemm8_level() {
+  if (!INDEXCP_BUILD_SM90A || !INDEXCP_SCORE_WGMMA) return 0;
   int level = 1;
   if (const char* e = ::indexcp::detail::knob_env("INDEXCP_SCORE_GEMM8")) {
     if (std::strcmp(e, "0") == 0) level = 0;
