@@ -109,6 +109,9 @@ const std::vector<Knob>& knob_table() {
       {"INDEXCP_SCORE_MINB", K::kMacro, "2", "build", "minimum CTAs per multiprocessor of the NVFP4 scorer (__launch_bounds__)."},
       {"INDEXCP_SCORE_WIDE_MINB", K::kMacro, "1", "build",
        "minimum CTAs per multiprocessor of the scorer at 64 query vectors per CTA (NT = 8; 2 caps it at 128 registers)."},
+      {"INDEXCP_BUILD_SM90A", K::kMacro, "set by CMake", "build",
+       "1 when CMAKE_CUDA_ARCHITECTURES holds 90a (the default): the build has the sm_90a code of the GEMM-shaped "
+       "fp8_mma scorer, which the launcher may then pick (src/cuda/CMakeLists.txt; tests/CMakeLists.txt for test_gpu)."},
       {"INDEXCP_SCORE_G8_STAGES", K::kMacro, "12", "build",
        "16 KiB key stages of the GEMM-shaped fp8_mma scorer, both warpgroups' rings together (an even number >= 6)."},
       {"INDEXCP_SCORE_WGMMA", K::kMacro, "1", "build", "0 builds the scorer without wgmma (mma.sync only)."},
