@@ -111,7 +111,7 @@ const std::vector<Knob>& knob_table() {
        "minimum CTAs per multiprocessor of the scorer at 64 query vectors per CTA (NT = 8; 2 caps it at 128 registers)."},
       {"INDEXCP_BUILD_SM90A", K::kMacro, "set by CMake", "build",
        "1 when CMAKE_CUDA_ARCHITECTURES holds 90a (the default): the build has the sm_90a code of the GEMM-shaped "
-       "fp8_mma scorer, which the launcher may then pick (src/cuda/CMakeLists.txt; tests/CMakeLists.txt for test_gpu)."},
+       "fp8_mma scorer, which the launcher may then pick (INDEXCP_HAVE_SM90A_CODE in the top-level CMakeLists.txt; set for indexcp_cuda and test_gpu)."},
       {"INDEXCP_SCORE_G8_STAGES", K::kMacro, "12", "build",
        "16 KiB key stages of the GEMM-shaped fp8_mma scorer, both warpgroups' rings together (an even number >= 6)."},
       {"INDEXCP_SCORE_WGMMA", K::kMacro, "1", "build", "0 builds the scorer without wgmma (mma.sync only)."},
