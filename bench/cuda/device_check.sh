@@ -15,7 +15,8 @@
 #               `bench decode` (DecodeStep is W decode plans) and the engine example's N-layer graph
 #   prefill-ab  `bench prefill` in both precision modes, A as the environment is and B with the
 #               assignments of B_ENV added (e.g. B_ENV="INDEXCP_SCORE_MAX_NT=8"), alternating, AB_ROUNDS
-#               (2) times; the bench's scorer lines go into summary.txt as each run ends
+#               (2) times, in the precision modes of PRECS ("fp32 fp8_mma"); the bench's scorer lines
+#               go into summary.txt as each run ends
 # Environment: INDEXCP_SHARED_DIR (default ./shared), JOBS (16), BUILD_DIR (build-dev),
 #              INDEXCP_GIT_REV (stored in the records), BENCH_ARGS (extra args for every bench).
 set -uo pipefail
@@ -228,7 +229,7 @@ do_prefill_ab() {
   [ -n "${B_ENV:-}" ] || { log "prefill-ab: B_ENV is empty, so B would run as A"; return 2; }
   local r prec v n
   for r in $(seq 1 "${AB_ROUNDS:-2}"); do
-    for prec in fp32 fp8_mma; do
+    for prec in ${PRECS:-fp32 fp8_mma}; do
       for v in $([ $((r % 2)) -eq 1 ] && echo A B || echo B A); do
         n=$(cat "$OUT/bench.log" 2>/dev/null | wc -l)
         if [ $v = B ]; then

@@ -40,10 +40,10 @@ const std::vector<Knob>& knob_table() {
        "4 is the prefill scorer before its 128-vector tiles; other values round down to one of these, a "
        "non-number is ignored); unset: 16."},
       {"INDEXCP_SCORE_GEMM8", K::kEnv, "1", "library (CUDA)",
-       "0, 1 or 2. indexer_score_precision fp8_mma with 128 query vectors per CTA on compute capability 9.0: 1 scores "
-       "FP8 keys (the prefill gather, an FP8 cache of at least 128 rows per page) with the GEMM-shaped kernel (keys "
-       "copied straight into the wgmma operand, src/cuda/score/gemm8.cuh), 2 also NVFP4 keys (expanded in that kernel; "
-       "slower, an experiment), 0 none (the tile scorer; the same bits); unset or another value: 1 (an experiment "
+       "0 or 1. indexer_score_precision fp8_mma on compute capability 9.0: 1 scores FP8 keys (the prefill gather, an "
+       "FP8 cache of at least 128 rows per page) of requests with more than 128 query vectors (rows x heads) with the "
+       "GEMM-shaped kernel (256 vectors per CTA, keys copied straight into the wgmma operand, "
+       "src/cuda/score/gemm8.cuh), 0 keeps the tile scorer (the same bits); unset or another value: 1 (an experiment "
        "knob, bench/NOTES.md)."},
       {"INDEXCP_SCORE_DEBUG", K::kEnv, "0", "library (CUDA)", "debug bits of the scorer kernel (development only)."},
       // ---- a rank of a multi-process group (set by indexcp launch; docs/multi-process.md)
@@ -113,7 +113,8 @@ const std::vector<Knob>& knob_table() {
        "1 when CMAKE_CUDA_ARCHITECTURES holds 90a (the default): the build has the sm_90a code of the GEMM-shaped "
        "fp8_mma scorer, which the launcher may then pick (INDEXCP_HAVE_SM90A_CODE in the top-level CMakeLists.txt; set for indexcp_cuda and test_gpu)."},
       {"INDEXCP_SCORE_G8_STAGES", K::kMacro, "12", "build",
-       "16 KiB key stages of the GEMM-shaped fp8_mma scorer, both warpgroups' rings together (an even number >= 6)."},
+       "16 KiB key stages of the GEMM-shaped fp8_mma scorer's ring, which both warpgroups read (at least 4; "
+       "stages - 2 blocks in flight)."},
       {"INDEXCP_SCORE_WGMMA", K::kMacro, "1", "build", "0 builds the scorer without wgmma (mma.sync only)."},
       {"INDEXCP_SCORE_WGMMA_MIN_NT", K::kMacro, "2", "build", "the smallest tile width NT (8-vector groups) that uses wgmma."},
       {"INDEXCP_SCORE_WGMMA_NT1", K::kMacro, "0", "build", "1 lets NT = 1 tiles use wgmma too (this and INDEXCP_SCORE_WGMMA_MIN_NT do not apply to "

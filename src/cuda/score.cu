@@ -28,10 +28,10 @@
 // NVFP4 with E4M3 rounding, the stored ones for FP8 keys) go unconverted to the FP8 tensor cores,
 // wgmma m64nNk32.e4m3 at every width, the queries as raw E4M3 bytes in the same core-matrix
 // layout (form.hpp, form8_dim; docs/precision.md for the accuracy of the mode).
-// At 128 query vectors per CTA in the mode, E4M3 keys that are stored as the operand itself (the
-// prefill gather's FP8 rows, an FP8 cache with R >= 128) go to gemm8_score_kernel instead
-// (score/gemm8.cuh: no expansion; keys as wgmma B, queries as A; the same products in the same k
-// order, so the same bits). INDEXCP_SCORE_GEMM8 (gemm8_level) chooses which keys it takes.
+// In the mode, E4M3 keys that are stored as the operand itself (the prefill gather's FP8 rows, an
+// FP8 cache with R >= 128) with more than 128 query vectors per request go to gemm8_score_kernel
+// instead (score/gemm8.cuh: 256 vectors per CTA, no expansion; keys as wgmma B, queries as A; the
+// same products in the same k order, so the same bits). INDEXCP_SCORE_GEMM8=0 keeps the tiles.
 #include <cuda_fp16.h>
 
 #include <cub/block/block_scan.cuh>
@@ -453,12 +453,36 @@ void launch_t(const ScoreArgs& a, dim3 grid, cudaStream_t stream) {
   INDEXCP_CUDA_LAUNCH_CHECK("score kernel launch");
 }
 
-// The GEMM-shaped fp8_mma scorer of E4M3 keys (score/gemm8.cuh): 128 query vectors per CTA.
-template <bool GATHER, bool NVFP4>
-void launch_gemm8(const ScoreArgs& a, unsigned gy, cudaStream_t stream) {
+// The GEMM-shaped fp8_mma scorer of E4M3 keys (score/gemm8.cuh): 256 query vectors per CTA, one
+// CTA per multiprocessor. CTAs along x share each slice's pairs as in grid_x, but their number is
+// chosen for whole waves: the fewest from ceil(2 x resident / slices) up whose CTAs fill their last
+// wave to at least 90% (else the best fill up to 4 waves): at the prefill's 64 slices and 132
+// multiprocessors, 6 per slice (384 CTAs, the last wave 97% full) rather than 5 (320, 42%).
+unsigned gemm8_grid_x(int per_sm, unsigned gy) {
+  const int64_t resident = static_cast<int64_t>(std::max(1, per_sm)) * sm_count();
+  const int64_t lo = std::clamp<int64_t>(ceil_div(2 * resident, static_cast<int64_t>(gy)), 1, resident);
+  const int64_t hi = std::max(lo, ceil_div(4 * resident, static_cast<int64_t>(gy)));
+  int64_t gx = lo;
+  double best = 0.0;
+  for (int64_t x = lo; x <= hi; ++x) {
+    const int64_t ctas = x * gy;
+    const double fill = static_cast<double>(ctas) / static_cast<double>(ceil_div(ctas, resident) * resident);
+    if (fill > best + 1e-9) {
+      best = fill;
+      gx = x;
+    }
+    if (fill >= 0.9) break;
+  }
+  if (const char* e = ::indexcp::detail::knob_env("INDEXCP_SCORE_CTAS")) gx = std::max(1, std::atoi(e));
+  return static_cast<unsigned>(gx);
+}
+
+template <bool GATHER>
+void launch_gemm8(const ScoreArgs& a, int64_t nvec_max, cudaStream_t stream) {
   constexpr int smem = gemm8_smem_bytes();
   static_assert(smem <= 227 * 1024, "shared memory");
-  auto k = gemm8_score_kernel<GATHER, NVFP4>;
+  const int64_t gy = ceil_div(nvec_max, static_cast<int64_t>(kG8Vectors));
+  auto k = gemm8_score_kernel<GATHER>;
   check(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
         "cudaFuncSetAttribute (gemm8 score kernel shared memory)");
   if (!a.plan_local) {
@@ -467,30 +491,27 @@ void launch_gemm8(const ScoreArgs& a, unsigned gy, cudaStream_t stream) {
   }
   int per_sm = 0;
   check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, kG8Threads, smem), "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-  k<<<dim3(grid_x(per_sm, gy), gy), kG8Threads, smem, stream>>>(a);
+  const unsigned gyu = static_cast<unsigned>(gy);
+  k<<<dim3(gemm8_grid_x(per_sm, gyu), gyu), kG8Threads, smem, stream>>>(a);
   INDEXCP_CUDA_LAUNCH_CHECK("gemm8 score kernel launch");
 }
 
-// Which keys the GEMM-shaped scorer takes: 0 none, 1 FP8 keys (the default), 2 NVFP4 keys too (an
-// experiment: its in-kernel expansion measured slower than the tile scorer, bench/NOTES.md v18).
-// Only where its code exists: a build with an sm_90a cubin and wgmma (INDEXCP_BUILD_SM90A from
-// src/cuda/CMakeLists.txt, INDEXCP_SCORE_WGMMA), run on compute capability 9.0.
+// Whether the GEMM-shaped scorer takes the FP8 keys of an fp8_mma launch: INDEXCP_SCORE_GEMM8 (1,
+// the default; 0 keeps the tile scorer, the same bits), and only where its code exists: a build
+// with an sm_90a cubin and wgmma (INDEXCP_BUILD_SM90A from src/cuda/CMakeLists.txt,
+// INDEXCP_SCORE_WGMMA), run on compute capability 9.0.
 #ifndef INDEXCP_BUILD_SM90A
 #define INDEXCP_BUILD_SM90A 0
 #endif
-int gemm8_level() {
-  if (!INDEXCP_BUILD_SM90A || !INDEXCP_SCORE_WGMMA) return 0;
-  int level = 1;
-  if (const char* e = ::indexcp::detail::knob_env("INDEXCP_SCORE_GEMM8")) {
-    if (std::strcmp(e, "0") == 0) level = 0;
-    else if (std::strcmp(e, "2") == 0) level = 2;
-  }
-  if (level == 0) return 0;
+bool gemm8_enabled() {
+  if (!INDEXCP_BUILD_SM90A || !INDEXCP_SCORE_WGMMA) return false;
+  if (const char* e = ::indexcp::detail::knob_env("INDEXCP_SCORE_GEMM8"))
+    if (std::strcmp(e, "0") == 0) return false;
   int dev = 0, major = 0, minor = 0;
   check(cudaGetDevice(&dev), "cudaGetDevice");
   check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "cudaDeviceGetAttribute");
   check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev), "cudaDeviceGetAttribute");
-  return major == 9 && minor == 0 ? level : 0;
+  return major == 9 && minor == 0;
 }
 
 template <int MODE, bool STOCK, bool GATHER, bool M8 = false>
@@ -605,11 +626,12 @@ void launch_score(const ScoreLaunch& s, cudaStream_t stream) {
   const dim3 grid(1, static_cast<unsigned>(gy));
   ensure_tables(stream);
   const bool stock = s.stock && R >= kBlockTokens;
-  const int g8 = m8 && nt == kMaxNt && (s.keys.gather || R >= kBlockTokens) ? gemm8_level() : 0;
-  if (g8 >= (mode == kModeFp8 ? 1 : 2)) {
-    if (s.keys.gather) launch_gemm8<true, false>(a, grid.y, stream);
-    else if (mode == kModeFp8) launch_gemm8<false, false>(a, grid.y, stream);
-    else launch_gemm8<false, true>(a, grid.y, stream);  // NVFP4 with E4M3 rounding (fp8_mma refuses exact)
+  // the GEMM-shaped scorer: E4M3 keys that are the MMA operand as stored (the gather's FP8 rows, an
+  // FP8 cache of at least 128 rows per page) and more than 128 query vectors per request (it holds
+  // 256 per CTA; INDEXCP_SCORE_MAX_NT below 16 keeps the tiles)
+  if (m8 && mode == kModeFp8 && nt == kMaxNt && nvec_max > 2 * kMaxNt * 8 && (s.keys.gather || R >= kBlockTokens) && gemm8_enabled()) {
+    if (s.keys.gather) launch_gemm8<true>(a, nvec_max, stream);
+    else launch_gemm8<false>(a, nvec_max, stream);
     t_last_kernel = "gemm8";
   } else if (m8) {
     if (s.keys.gather) launch_nt<kModeFp8, false, true, true>(nt, a, grid, stream);

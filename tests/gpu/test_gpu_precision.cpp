@@ -307,13 +307,15 @@ TEST(GpuFp8Mma, GatherAndLocalScorePrefillEqualReplicated) {
       }
 }
 
-// The GEMM-shaped scorer of E4M3 keys (src/cuda/score/gemm8.cuh: 128 query vectors per CTA, FP8 keys
-// copied straight into the wgmma operand or NVFP4 keys expanded into it, the queries as A) gives the
-// bits of the tile scorer (score_kernel, INDEXCP_SCORE_GEMM8=0) for every entry of prefill_scores
-// on FP8 and NVFP4 caches: random data, 5 requests (one of 700 rows, whose slices end on every side
-// of a block boundary, one empty), 4 and 2 heads, the in-CTA and the global work plan; and it is
-// the kernel that ran (compute capability 9.0), by default on FP8 keys and with
-// INDEXCP_SCORE_GEMM8=2 on NVFP4 keys.
+// The GEMM-shaped scorer of E4M3 keys (src/cuda/score/gemm8.cuh: 256 query vectors per CTA, FP8
+// keys copied straight into the wgmma operand, the queries as A) gives the bits of the tile scorer
+// (score_kernel, INDEXCP_SCORE_GEMM8=0) for every entry of prefill_scores on FP8 caches of P = 128
+// and 256 (the gather's staged rows: GatherAndLocalScorePrefillEqualReplicated): random data, 5 requests (one of 700 rows, whose slices
+// end on every side of a block boundary, one empty), 4 and 2 heads (2,800 and 1,400 vectors: the
+// last CTA of a request half or wholly past its vectors), the in-CTA and the global work plan, 1
+// CTA per slice and the default grid (a CTA takes many requests' pairs, or a share of one's); and
+// it is the kernel that ran by default (compute capability 9.0, a build with sm_90a code), while
+// NVFP4 keys always go to the tile scorer.
 TEST(GpuFp8Mma, GemmScorerEqualsTheTileScorer) {
   REQUIRE_GPU();
   int dev = 0, major = 0, minor = 0;
@@ -334,37 +336,32 @@ TEST(GpuFp8Mma, GemmScorerEqualsTheTileScorer) {
     const int64_t nrows = s.qs.back();
     const int64_t mb = static_cast<int64_t>(s.req.max_pages) * P / 128;
     for (const auto [h0, nh] : {std::pair<int32_t, int32_t>{0, 4}, {1, 2}})
-      for (const char* plan : {"", "kernel"}) {
-        ScopedEnv gemm8("INDEXCP_SCORE_GEMM8"), plan_env("INDEXCP_SCORE_PLAN");
-        plan_env.set(plan);
-        DevArr<float> out(static_cast<size_t>(nrows) * nh * mb);
-        std::vector<uint32_t> got[2];
-        for (int tiles = 0; tiles < 2; ++tiles) {
-          gemm8.set(tiles ? "0" : "2");  // 2: NVFP4 keys too (1, the default, takes FP8 keys only)
-          out.fill_bytes(0x7f);  // NaN-free garbage: every entry must be written
-          cuda::prefill_scores(dev_c[0], 0, d.b, nrows, max_rows, h0, nh, out.get(), nullptr, kF8);
-          const std::string ran = cuda::detail::last_score_kernel();
-          CUDA_OK(cudaDeviceSynchronize());
-          EXPECT_EQ(ran, tiles || !sm90a ? "tiles" : "gemm8") << to_string(dt) << " P" << P << " nh " << nh;
-          got[tiles] = bits_of(out.host());
+      for (const char* plan : {"", "kernel"})
+        for (const char* ctas : {"", "1"}) {
+          ScopedEnv gemm8("INDEXCP_SCORE_GEMM8"), plan_env("INDEXCP_SCORE_PLAN"), ctas_env("INDEXCP_SCORE_CTAS");
+          plan_env.set(plan);
+          ctas_env.set(ctas);
+          const std::string where = to_string(dt) + " P" + std::to_string(P) + " heads " + std::to_string(h0) + ".." +
+                                    std::to_string(h0 + nh - 1) + " plan '" + plan + "' ctas '" + ctas + "'";
+          DevArr<float> out(static_cast<size_t>(nrows) * nh * mb);
+          std::vector<uint32_t> got[2];
+          for (int tiles = 0; tiles < 2; ++tiles) {
+            gemm8.set(tiles ? "0" : "");  // "": the default
+            out.fill_bytes(0x7f);  // NaN-free garbage: every entry must be written
+            cuda::prefill_scores(dev_c[0], 0, d.b, nrows, max_rows, h0, nh, out.get(), nullptr, kF8);
+            const std::string ran = cuda::detail::last_score_kernel();
+            CUDA_OK(cudaDeviceSynchronize());
+            EXPECT_EQ(ran, !tiles && sm90a && dt == KvDtype::kFp8 ? "gemm8" : "tiles") << where;
+            got[tiles] = bits_of(out.host());
+          }
+          int64_t differ = 0, scored = 0;
+          for (size_t i = 0; i < got[0].size(); ++i) {
+            differ += got[0][i] != got[1][i];
+            scored += got[0][i] != 0xff800000u;  // not -inf
+          }
+          EXPECT_EQ(differ, 0) << where << ": the GEMM-shaped scorer differs from the tile scorer";
+          EXPECT_GT(scored, 1000) << where;
         }
-        {  // the default: FP8 keys only
-          gemm8.set("");
-          cuda::prefill_scores(dev_c[0], 0, d.b, nrows, max_rows, h0, nh, out.get(), nullptr, kF8);
-          const std::string ran = cuda::detail::last_score_kernel();
-          CUDA_OK(cudaDeviceSynchronize());
-          EXPECT_EQ(ran, sm90a && dt == KvDtype::kFp8 ? "gemm8" : "tiles") << to_string(dt) << " P" << P;
-          EXPECT_EQ(bits_of(out.host()), got[dt == KvDtype::kFp8 ? 0 : 1]) << to_string(dt) << " P" << P;
-        }
-        int64_t differ = 0, scored = 0;
-        for (size_t i = 0; i < got[0].size(); ++i) {
-          differ += got[0][i] != got[1][i];
-          scored += got[0][i] != 0xff800000u;  // not -inf
-        }
-        EXPECT_EQ(differ, 0) << to_string(dt) << " P" << P << " heads " << h0 << ".." << h0 + nh - 1 << " plan '" << plan
-                             << "': the GEMM-shaped scorer differs from the tile scorer";
-        EXPECT_GT(scored, 1000);
-      }
   }
 }
 

@@ -1,21 +1,21 @@
 // The GEMM-shaped scorer of E4M3 keys in the fp8_mma form (issue "Prefill indexer at tensor-core
 // speed"): keys whose stored bytes are already the MMA operand (the prefill gather's FP8 rows, an
 // FP8 cache with at least 128 rows per page) go from global memory straight into the wgmma B
-// operand, with no expansion and no register staging. NVFP4 keys (E4M3 rounding, R >= 128) can be
-// expanded into it by the warpgroup's threads instead (INDEXCP_SCORE_GEMM8=2 only: measured slower
-// than the tile scorer, bench/NOTES.md v18). Private to score.cu (src/cuda/score.cu has the
-// overview).
+// operand, with no expansion and no register staging. Private to score.cu (src/cuda/score.cu has
+// the overview).
 //
-// Shape: 256 threads = two warpgroups, each holding all 128 query vectors of the CTA's slice as the
-// A operand in registers (two m64 tiles of raw E4M3 bytes, loaded once per request: 32
-// registers), as the 128-vector tiles of score_kernel serve 128. A stage is one selection block:
-// 128 keys x 128 bytes (16 KiB) in the 128-byte-swizzled K-major layout; a warpgroup multiplies
-// it with two chains of 4 wgmma m64n128k32 (one per m64 tile). The block maximum of a query vector
-// is then a maximum over the 128 accumulator columns of its row: 31 fmax in the thread and a
-// reduce-scatter over the quad (no per-block maxima held across tiles). The two warpgroups take
-// alternate blocks ("ping-pong"): while one takes the maxima of its block, the other's chains keep
-// the tensor cores busy. (One warpgroup keeping two chains in flight over two accumulator sets was
-// the first form: ptxas serializes its wgmma, C7514, because a loop-carried chain is in flight.)
+// Shape: 256 threads = two warpgroups; the CTA holds 256 query vectors of its slice, 128 per
+// warpgroup, as the A operand in registers (two m64 tiles of raw E4M3 bytes per warpgroup, loaded
+// once per request: 32 registers). A stage is one selection block: 128 keys x 128 bytes (16 KiB) in
+// the 128-byte-swizzled K-major layout, read by both warpgroups: each multiplies it with two chains
+// of 4 wgmma m64n128k32 (one per m64 tile), so a key byte copied from L2 serves 256 query vectors
+// (the 128-vector version of session 18 read every key from L2 once per 128 vectors, about 3.3
+// TB/s at its speed: bench/NOTES.md v19). The block maximum of a query vector is then a maximum over
+// the 128 accumulator columns of its row: 31 fmax in the thread and a reduce-scatter over the quad
+// (no per-block maxima held across tiles). The warpgroups take turns at issuing their chains of a
+// block (two named barriers, CTA-wide: warpgroup 0 issues block c after warpgroup 1 issued block c
+// - 1, warpgroup 1 after warpgroup 0 issued block c), so the tensor cores run one warpgroup's
+// chains while the other takes its maxima ("ping-pong" on a shared stage).
 //
 // The bits are those of every other scorer of the mode (form.hpp, form8_dim): k slot 16 half +
 // 4 t4 + i of k-step s8 multiplies dimension 32 t4 + 8 s8 + 4 half + i, with the queries as A and
@@ -27,10 +27,13 @@
 // GPU suite compares these scores with score_kernel's bit for bit (All/GpuFp8MmaForm.*,
 // GpuFp8Mma.GemmScorerEqualsTheTileScorer).
 //
-// Pipeline, per warpgroup: a ring of kG8Ring stages, kG8Ring - 2 blocks in flight. Each thread
-// copies its warp's 32 rows of a block (cp.async, one commit group per block), waits for the oldest
-// group, fences the writes for the async proxy, and the warpgroup's named barrier publishes the
-// block; the barrier also proves that the warpgroup's chains of the previous block are done.
+// Pipeline: one ring of kG8Stages stages shared by the warpgroups, kG8Stages - 2 blocks in flight,
+// two mbarriers per stage. Every thread copies 16 rows of a block (warp w: rows 16 w .. 16 w + 15)
+// and arrives on the stage's `full` barrier when its copies land (cp.async.mbarrier.arrive.noinc);
+// thread 0 also writes the stage's block index and arrives once more. A thread waits on `full`,
+// fences the copies for the async proxy and issues its warpgroup's chains; once they are done it
+// arrives on the stage's `empty` barrier, which a thread waits on before it copies into the stage
+// again. The counters (stage, phase) run on over the requests of the CTA.
 #pragma once
 
 #include <cub/block/block_scan.cuh>
@@ -39,7 +42,6 @@
 #include "cuda/kernels.cuh"
 #include "cuda/score/ptx.cuh"
 #include "cuda/score/schedule.cuh"
-#include "cuda/score/tiles.cuh"
 
 namespace indexcp::cuda::detail {
 
@@ -47,17 +49,17 @@ namespace indexcp::cuda::detail {
 namespace {
 
 constexpr int kG8Threads = 256;
-constexpr int kG8Vectors = 128;  // query vectors per CTA (NT = 16)
+constexpr int kG8Vectors = 256;  // query vectors per CTA: 128 per warpgroup (NT = 16 each)
 #ifndef INDEXCP_SCORE_G8_STAGES
 #define INDEXCP_SCORE_G8_STAGES 12
 #endif
-constexpr int kG8Stages = INDEXCP_SCORE_G8_STAGES;  // both rings
-constexpr int kG8Ring = kG8Stages / 2;               // stages of one warpgroup
-static_assert(kG8Stages % 2 == 0 && kG8Ring >= 3, "INDEXCP_SCORE_G8_STAGES: an even number >= 6");
+constexpr int kG8Stages = INDEXCP_SCORE_G8_STAGES;  // the ring
+constexpr int kG8Ahead = kG8Stages - 2;              // blocks in flight
+static_assert(kG8Stages >= 4, "INDEXCP_SCORE_G8_STAGES: at least 4");
 constexpr int kG8StageBytes = kBlockTokens * kHeadDim;  // 16 KiB
 constexpr int gemm8_smem_bytes() {
-  return 1024 /* alignment of the swizzled stages */ + kG8Stages * kG8StageBytes + kG8Stages * 4 + (kPlanLocal + 2) * 4 +
-         256 * 8 /* the NVFP4 k_hat table */;
+  return 1024 /* alignment of the swizzled stages */ + kG8Stages * kG8StageBytes + kG8Stages * 16 /* mbarriers */ +
+         kG8Stages * 4 + (kPlanLocal + 2) * 4;
 }
 
 // 4 bytes global -> shared (cp.async, through L1), the row offsets as immediates of the instruction
@@ -65,26 +67,26 @@ template <int DOFF, int SOFF>
 __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0+%2], [%1+%3], 4;" ::"r"(dst), "l"(src), "n"(DOFF), "n"(SOFF) : "memory");
 }
-// Rows 16 h + i (i = 0..15) of a run: dst[i & 7] holds the lane's swizzled address of row i & 7.
-template <int H, int I = 0>
+// Rows i = 0..15 of a run: dst[i & 7] holds the lane's swizzled address of row i & 7.
+template <int I = 0>
 __device__ __forceinline__ void cp_async_run(const uint32_t (&dst)[8], const uint8_t* src) {
   if constexpr (I < 16) {
-    cp_async4<(16 * H + (I & 8)) * kHeadDim, I * kHeadDim>(dst[I & 7], src);
-    cp_async_run<H, I + 1>(dst, src);
+    cp_async4<(I & 8) * kHeadDim, I * kHeadDim>(dst[I & 7], src);
+    cp_async_run<I + 1>(dst, src);
   }
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 // A value every lane of the warp holds, made visibly uniform for ptxas (redux.sync writes a uniform
 // register): the loops and branches around the wgmma instructions are then convergent (otherwise
 // ptxas serializes the wgmma instructions: C7518).
 __device__ __forceinline__ int32_t uniform(int32_t x) { return __reduce_max_sync(0xffffffffu, x); }
-// The barrier of one warpgroup (ids 1 and 2; 0 is __syncthreads).
-__device__ __forceinline__ void named_bar_sync(int id) {
-  asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory");
+// The turn barriers (ids 1 and 2; 0 is __syncthreads): the 128 threads of one warpgroup wait
+// (bar.sync) until the 128 of the other have arrived (bar.arrive), 256 in all.
+__device__ __forceinline__ void turn_wait(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
+__device__ __forceinline__ void turn_pass(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory"); }
+// The thread's arrival on a stage's `full` barrier when its cp.async copies so far have landed
+// (counted in the barrier's expected count: .noinc).
+__device__ __forceinline__ void cp_async_arrive(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_u32(bar)) : "memory");
 }
 // The B descriptor of a K-major tile in the 128-byte swizzle (PTX ISA, "Matrix Descriptor
 // Format"): start address (the stage, 1024-aligned, plus 32 bytes per k-step), LBO unused (1), SBO
@@ -104,22 +106,19 @@ __device__ __forceinline__ int32_t gemm8_bt(const ScoreArgs& a, const Geo& G, in
   return a.block_table[static_cast<int64_t>(b) * a.max_pages + lp];
 }
 
-// The rows of pair s (block-table entry `page`) that warp w of a warpgroup copies: rows 32 w .. 32 w
-// + 31 of the block, as two runs of 16 rows contiguous in memory (R is a multiple of 16 and a block
-// starts on a multiple of 128 of its page), src[0] and src[1]; false when the pair is not scored
-// (past the request's historical blocks, filtered out, or an invalid page id). Uniform over the CTA.
+// The rows of pair s (block-table entry `page`) that warp w (0..7) copies: rows 16 w .. 16 w + 15
+// of the block, contiguous in memory (R is a multiple of 16 and a block starts on a multiple of 128
+// of its page), from *src; false when the pair is not scored (past the request's historical
+// blocks, filtered out, or an invalid page id). Uniform over the CTA.
 template <bool GATHER>
 __device__ __forceinline__ bool gemm8_rows(const ScoreArgs& a, const Geo& G, const ReqInfo& ri, int32_t s, int32_t page,
-                                           int w, int32_t* blk, const uint8_t* (&src)[2]) {
+                                           int w, int32_t* blk, const uint8_t** src) {
   if (GATHER) {
     if (s >= ri.max_local || page < 0 || page >= a.keys.num_pages) return false;
     *blk = s;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int32_t u = ((s * kBlockTokens) & (G.P - 1)) + 32 * w + 16 * h;
-      const int32_t owner = u >> G.lgR, row = u & (G.R - 1);  // owner rank and local row of offset u
-      src[h] = a.keys.base + ((static_cast<int64_t>(owner) * a.keys.num_pages + page) * G.R + row) * kHeadDim;
-    }
+    const int32_t u = ((s * kBlockTokens) & (G.P - 1)) + 16 * w;
+    const int32_t owner = u >> G.lgR, row = u & (G.R - 1);  // owner rank and local row of offset u
+    *src = a.keys.base + ((static_cast<int64_t>(owner) * a.keys.num_pages + page) * G.R + row) * kHeadDim;
     return true;
   }
   const int32_t lgspp = G.lgR - 7;  // blocks per page on this rank: R / 128 (R >= 128 here)
@@ -131,61 +130,8 @@ __device__ __forceinline__ bool gemm8_rows(const ScoreArgs& a, const Geo& G, con
   if (a.filter_mod > 1 && bk % a.filter_mod != a.filter_res) return false;
   if (page < 0 || page >= a.keys.num_pages) return false;
   *blk = bk;
-  src[0] = a.keys.base + page * G.stride + static_cast<int64_t>(j0 + 32 * w) * G.rowb;
-  src[1] = src[0] + 16 * G.rowb;
+  *src = a.keys.base + page * G.stride + static_cast<int64_t>(j0 + 16 * w) * G.rowb;
   return true;
-}
-
-// NVFP4 (R >= 128): the page of pair s (block-table entry `page`) and the block's first row j0 on
-// it, or false (the checks of gemm8_rows). Uniform over the CTA.
-__device__ __forceinline__ bool gemm8_page(const ScoreArgs& a, const Geo& G, const ReqInfo& ri, int32_t s, int32_t page,
-                                           int32_t* blk, const uint8_t** pg, int32_t* j0) {
-  const int32_t lgspp = G.lgR - 7;
-  const int32_t lp = s >> lgspp;
-  if (lp >= ri.npages_needed) return false;
-  *j0 = (s & ((1 << lgspp) - 1)) << 7;
-  const int32_t bk = ((lp << G.lgP) + G.rank_off + *j0) >> 7;
-  if (bk >= ri.max_local) return false;
-  if (a.filter_mod > 1 && bk % a.filter_mod != a.filter_res) return false;
-  if (page < 0 || page >= a.keys.num_pages) return false;
-  *blk = bk;
-  *pg = a.keys.base + page * G.stride;
-  return true;
-}
-
-// NVFP4 with E4M3 rounding: one key row (16 words of 8 codes, 8 scale bytes) expanded to its signed
-// E4M3 bytes (form_khat_bytes, the table of its scale; a negative scale flips the codes' signs, as
-// fix_negative_scales does for the tile scorer) and stored as the 8 swizzled 16-byte chunks of its
-// row of the stage: chunk c holds pieces c, c + 8, c + 16, c + 24 (word t4 = piece c + 8 t4 =
-// dims 4c + 32 t4 .. + 3), i.e. the lo (c even) or hi (c odd) bytes of code words c / 2 + 4 t4.
-// A warp's 8 consecutive rows write 8 different chunk positions per 16-byte store: no conflict.
-__device__ __forceinline__ void gemm8_expand_row(const uint4 (&rc)[4], uint2 rs, const uint2* lut, uint32_t row_addr,
-                                                 uint32_t r7) {
-  const uint32_t w[16] = {rc[0].x, rc[0].y, rc[0].z, rc[0].w, rc[1].x, rc[1].y, rc[1].z, rc[1].w,
-                          rc[2].x, rc[2].y, rc[2].z, rc[2].w, rc[3].x, rc[3].y, rc[3].z, rc[3].w};
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {  // chunks 4h .. 4h + 3: code words 2h, 2h + 1 (+ 4 t4)
-    uint32_t lo[2][4], hi[2][4];
-#pragma unroll
-    for (int jj = 0; jj < 2; ++jj)
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const int j = 2 * h + jj + 4 * k;  // code word j: dims 8j .. 8j + 7, scale group j / 2
-        const uint32_t e = ((j / 2) < 4 ? rs.x >> (8 * (j / 2)) : rs.y >> (8 * (j / 2 - 4))) & 0xffu;
-        const uint2 l = lut[e];
-        const uint32_t neg = (0u - (e >> 7)) & 0x88888888u;
-        form_khat_bytes(w[j] ^ neg, l.x, l.y, &lo[jj][k], &hi[jj][k]);
-      }
-#pragma unroll
-    for (int c4 = 0; c4 < 4; ++c4) {
-      const int c = 4 * h + c4, jj = c4 >> 1;
-      const bool odd = c & 1;
-      const uint32_t dst = row_addr + ((static_cast<uint32_t>(c) ^ r7) << 4);
-      asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(dst), "r"(odd ? hi[jj][0] : lo[jj][0]),
-                   "r"(odd ? hi[jj][1] : lo[jj][1]), "r"(odd ? hi[jj][2] : lo[jj][2]), "r"(odd ? hi[jj][3] : lo[jj][3])
-                   : "memory");
-    }
-  }
 }
 
 // The epilogue of one block: the maxima over the 128 keys of the thread's four query vectors (rows
@@ -214,19 +160,24 @@ __device__ __forceinline__ void gemm8_epilogue(const float (&acc)[2][16][4], int
   if (blk < olim) out[obase + blk] = x;
 }
 
-// NVFP4: the keys are an NVFP4 cache with E4M3 rounding and R >= 128 (not GATHER): expanded by the
-// warpgroup's threads (gemm8_expand_row) instead of copied.
-template <bool GATHER, bool NVFP4>
+template <bool GATHER>
 __global__ void __launch_bounds__(kG8Threads, 1) gemm8_score_kernel(const ScoreArgs a) {
 #if INDEXCP_HAVE_WGMMA
   extern __shared__ __align__(128) unsigned char g8_smem[];
   __shared__ typename cub::BlockScan<int32_t, kG8Threads>::TempStorage scan_tmp;
   uint8_t* stages = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(g8_smem) + 1023) & ~uintptr_t{1023});
-  int32_t* smeta = reinterpret_cast<int32_t*>(stages + kG8Stages * kG8StageBytes);  // [kG8Stages]: the block of a stage
-  int32_t* splan = smeta + kG8Stages;                                               // [kPlanLocal + 1]
-  uint2* lut = reinterpret_cast<uint2*>(splan + kPlanLocal + 2);                    // [256] (NVFP4)
-  if constexpr (NVFP4)
-    for (int i = threadIdx.x; i < 256; i += kG8Threads) lut[i] = g_khat_lut[i];  // (published by plan_block's barriers)
+  uint64_t* full = reinterpret_cast<uint64_t*>(stages + kG8Stages * kG8StageBytes);  // [kG8Stages]
+  uint64_t* empty = full + kG8Stages;                                                 // [kG8Stages]
+  int32_t* smeta = reinterpret_cast<int32_t*>(empty + kG8Stages);  // [kG8Stages]: the block of a stage
+  int32_t* splan = smeta + kG8Stages;                              // [kPlanLocal + 1]
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kG8Stages; ++i) {
+      mbar_init(&full[i], kG8Threads + 1);  // every thread's copies, and thread 0's block index
+      mbar_init(&empty[i], kG8Threads);     // every thread's chains done
+    }
+    mbar_fence_init();
+  }
+  __syncthreads();
 
   const int32_t B = a.rows.num_requests;
   const int32_t n0 = blockIdx.y * kG8Vectors;
@@ -236,7 +187,6 @@ __global__ void __launch_bounds__(kG8Threads, 1) gemm8_score_kernel(const ScoreA
     plan_block<GATHER, kG8Threads>(a, sl, splan, scan_tmp);
     plan = splan;
   }
-  if constexpr (NVFP4) __syncthreads();  // the table
   const int64_t total = plan[B];
   const int64_t p0 = total * blockIdx.x / gridDim.x, p1 = total * (blockIdx.x + 1) / gridDim.x;
   if (p0 >= p1) return;
@@ -254,13 +204,18 @@ __global__ void __launch_bounds__(kG8Threads, 1) gemm8_score_kernel(const ScoreA
   const int wg = warp >> 2, wq = warp & 3;
   const Geo G(a.keys);
   // this lane's 4-byte piece p = lane of a key row: logical chunk p & 7, word p >> 3 (see the top),
-  // stored in row r at r * 128 + (((p & 7) ^ (r & 7)) << 4) + 4 (p >> 3)
+  // stored in row r at r * 128 + (((p & 7) ^ (r & 7)) << 4) + 4 (p >> 3); warp w copies rows 16 w ..
   uint32_t lane_off[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i)
-    lane_off[i] = static_cast<uint32_t>(i * kHeadDim) + ((static_cast<uint32_t>(lane & 7) ^ static_cast<uint32_t>(i)) << 4) +
-                  (static_cast<uint32_t>(lane >> 3) << 2);
+    lane_off[i] = static_cast<uint32_t>((16 * warp + i) * kHeadDim) +
+                  ((static_cast<uint32_t>(lane & 7) ^ static_cast<uint32_t>(i)) << 4) + (static_cast<uint32_t>(lane >> 3) << 2);
   const bool q_aligned = (reinterpret_cast<uintptr_t>(a.q) & 3u) == 0;
+  const uint32_t ring0 = smem_u32(stages);
+  // the cursors, over the requests: the next stage to fill and its phase, the next to multiply
+  int32_t ist = 0, cst = 0;
+  uint32_t iph = 0, cph = 0;
+  bool turned = false;  // this warpgroup has issued chains before (warpgroup 0 then waits its turn)
 
   for (int32_t b = b_first; b < B && uniform(plan[b] < p1); ++b) {
     const int64_t lo = plan[b] > p0 ? plan[b] : p0, hi = plan[b + 1] < p1 ? plan[b + 1] : p1;
@@ -268,15 +223,17 @@ __global__ void __launch_bounds__(kG8Threads, 1) gemm8_score_kernel(const ScoreA
     if (s0 >= s1) continue;
     const ReqInfo ri = request_info(a, b, sl);
     const int32_t nvec = ri.cnt * a.nh;
-    // A: query vectors v(m, r) = n0 + 64 m + 16 wq + g + 8 r (rows g, g + 8 of this warp's 16 in
-    // m64 tile m), raw E4M3 words of form8_dim: k-step s8 takes dims 32 t4 + 8 s8 + 0..3 (a0 row g,
-    // a1 row g + 8) and + 4..7 (a2, a3)
+    if (!uniform(n0 < nvec)) continue;  // a slice past the request's vectors scores nothing
+    // A: query vectors v(m, r) = n0 + 128 wg + 64 m + 16 wq + g + 8 r (rows g, g + 8 of this warp's
+    // 16 in m64 tile m), raw E4M3 words of form8_dim: k-step s8 takes dims 32 t4 + 8 s8 + 0..3 (a0
+    // row g, a1 row g + 8) and + 4..7 (a2, a3)
+    const int32_t nw = n0 + 128 * wg;  // this warpgroup's first vector
     uint32_t qa[2][4][4];
 #pragma unroll
     for (int m = 0; m < 2; ++m)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const int32_t v = n0 + 64 * m + 16 * wq + g + 8 * r;
+        const int32_t v = nw + 64 * m + 16 * wq + g + 8 * r;
         const uint8_t* qv = nullptr;
         if (v < nvec) {
           const int32_t i = v / a.nh, hh = v % a.nh;
@@ -300,130 +257,81 @@ __global__ void __launch_bounds__(kG8Threads, 1) gemm8_score_kernel(const ScoreA
     int64_t obase = 0;
     int32_t olim = 0;
     {
-      const int32_t v = n0 + 64 * (t4 >> 1) + 16 * wq + g + 8 * (t4 & 1);
+      const int32_t v = nw + 64 * (t4 >> 1) + 16 * wq + g + 8 * (t4 & 1);
       if (v < nvec) {
         const int32_t i = v / a.nh, hh = v % a.nh;
         olim = (ri.seq - ri.cnt + i) >> 7;  // historical blocks of this row (spec/indexer.md section 2)
         obase = ((static_cast<int64_t>(ri.row0) + i) * a.nh + hh) * a.max_blocks;
       }
     }
-    if (!uniform(n0 < nvec)) continue;  // a slice past the request's vectors scores nothing
 
-    // this warpgroup's blocks of the request: pairs s0 + wg, s0 + wg + 2, ... (the other
-    // warpgroup takes the others), through its own ring of kG8Ring stages
-    named_bar_sync(1 + wg);  // its previous request's last stage has been read
-    int32_t next = s0 + wg;  // the next pair to look at
-    int32_t pend = next < s1 ? gemm8_bt<GATHER>(a, G, b, ri, next) : -1;  // its block-table entry
-    int head = 0;            // blocks issued
-    uint8_t* const ring = stages + wg * kG8Ring * kG8StageBytes;
-    int32_t* const rmeta = smeta + wg * kG8Ring;
-    const uint32_t ring0 = smem_u32(ring);
+    // the request's blocks: pairs s0 .. s1 - 1, each copied by all 8 warps and multiplied by both
+    // warpgroups
+    int32_t next = s0;  // the next pair to look at
+    int32_t pend = gemm8_bt<GATHER>(a, G, b, ri, next);  // its block-table entry
+    int head = 0;       // blocks of this request issued
+    // the copies of the next scored pair into stage ist, once both warpgroups are done with it
+    auto issue = [&]() {
+      while (next < s1) {
+        const int32_t s = next, page = pend;
+        ++next;
+        pend = next < s1 ? gemm8_bt<GATHER>(a, G, b, ri, next) : -1;  // used by the next refill
+        int32_t blk;
+        const uint8_t* src;
+        if (!gemm8_rows<GATHER>(a, G, ri, s, page, warp, &blk, &src)) continue;
+        mbar_wait(&empty[ist], iph ^ 1u);  // (a fresh barrier: the phase before it counts as done)
+        const uint32_t base = ring0 + static_cast<uint32_t>(ist * kG8StageBytes);
+        uint32_t dst[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) dst[i] = base + lane_off[i];
+        cp_async_run(dst, src + 4 * lane);
+        cp_async_arrive(&full[ist]);
+        if (threadIdx.x == 0) {
+          smeta[ist] = blk;
+          mbar_arrive(&full[ist]);
+        }
+        if (++ist == kG8Stages) {
+          ist = 0;
+          iph ^= 1u;
+        }
+        ++head;
+        return;
+      }
+    };
+#pragma unroll 1
+    for (int i = 0; i < kG8Ahead; ++i) issue();
     float acc[2][16][4];
-    // block t of this warpgroup: multiply stage t, refill, take the maxima
-    auto chain = [&](int t) -> int32_t {
-      const int32_t blk = rmeta[t % kG8Ring];
-      const uint32_t sa = ring0 + static_cast<uint32_t>((t % kG8Ring) * kG8StageBytes);
+#pragma unroll 1
+    for (int t = 0; t < uniform(head); ++t) {
+      mbar_wait(&full[cst], cph);
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the copies, for wgmma (async proxy)
+      const int32_t blk = smeta[cst];
+      const uint32_t sa = ring0 + static_cast<uint32_t>(cst * kG8StageBytes);
+      if (wg == 0 && turned) turn_wait(1);  // warpgroup 1 has issued its chains of the previous block
+      if (wg == 1) turn_wait(2);            // warpgroup 0 has issued its chains of this block
       wg_fence();
 #pragma unroll
       for (int m = 0; m < 2; ++m)
 #pragma unroll
         for (int s8 = 0; s8 < 4; ++s8) wgmma8_tile<16>(acc[m], qa[m][s8], sw128_desc(sa + 32 * s8), s8 > 0);
       wg_commit();
-      return blk;
-    };
-    auto finish = [&](int32_t blk) {
+      turn_pass(wg == 0 ? 2 : 1);
+      turned = true;
+      issue();  // the refill (a block-table load, then the copies) while the chains run
       wg_wait0();
       fence_acc<16>(acc[0]);
       fence_acc<16>(acc[1]);
+      mbar_arrive(&empty[cst]);
+      if (++cst == kG8Stages) {
+        cst = 0;
+        cph ^= 1u;
+      }
       gemm8_epilogue(acc, t4, blk, a.scores, obase, olim);
-    };
-    if constexpr (NVFP4) {
-      // the raw codes and scales of this thread's row (row 32 wq + lane of the block) of the next
-      // block in registers, one block ahead of the expansion, which is one block ahead of the MMA
-      const int row = 32 * wq + lane;
-      uint4 rc[4];
-      uint2 rs;
-      int32_t raw_blk = -1;
-      auto load_next = [&]() {
-        raw_blk = -1;
-        while (next < s1) {
-          const int32_t s = next, page = pend;
-          next += 2;
-          pend = next < s1 ? gemm8_bt<GATHER>(a, G, b, ri, next) : -1;  // used by the next refill
-          int32_t blk, j0;
-          const uint8_t* pg;
-          if (!gemm8_page(a, G, ri, s, page, &blk, &pg, &j0)) continue;
-          const uint4* codes = reinterpret_cast<const uint4*>(pg + static_cast<int64_t>(j0 + row) * kNvfp4DataBytesPerKey);
-#pragma unroll
-          for (int k = 0; k < 4; ++k) rc[k] = codes[k];
-          rs = *reinterpret_cast<const uint2*>(pg + G.scale0 + static_cast<int64_t>(j0 + row) * kNvfp4ScalesPerKey);
-          raw_blk = blk;
-          return;
-        }
-      };
-      auto expand = [&]() {  // the loaded block into stage head
-        const uint32_t addr = ring0 + static_cast<uint32_t>((head % kG8Ring) * kG8StageBytes + row * kHeadDim);
-        gemm8_expand_row(rc, rs, lut, addr, static_cast<uint32_t>(lane & 7));
-        if ((threadIdx.x & 127) == 0) rmeta[head % kG8Ring] = raw_blk;
-        ++head;
-      };
-      load_next();
-      if (uniform(raw_blk >= 0)) {
-        expand();
-        load_next();
-      }
-#pragma unroll 1
-      for (int t = 0; t < uniform(head); ++t) {
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the expanded stage, for wgmma
-        named_bar_sync(1 + wg);  // stage t is written; this warpgroup's chains of block t - 1 are done
-        const int32_t blk = chain(t);
-        if (uniform(raw_blk >= 0)) {  // expand block t + 1 (stage t + 1 was read by block t + 1 - kG8Ring)
-          expand();
-          load_next();
-        }
-        finish(blk);
-      }
-    } else {
-      auto issue = [&]() {
-        while (next < s1) {
-          const int32_t s = next, page = pend;
-          next += 2;
-          pend = next < s1 ? gemm8_bt<GATHER>(a, G, b, ri, next) : -1;  // used by the next refill
-          int32_t blk;
-          const uint8_t* src[2];
-          if (!gemm8_rows<GATHER>(a, G, ri, s, page, wq, &blk, src)) continue;
-          // warp wq copies rows 32 wq .. 32 wq + 31; lane = the 4-byte piece of each row
-          const uint32_t base = ring0 + static_cast<uint32_t>((head % kG8Ring) * kG8StageBytes + wq * 32 * kHeadDim);
-          uint32_t dst[8];
-#pragma unroll
-          for (int i = 0; i < 8; ++i) dst[i] = base + lane_off[i];
-          cp_async_run<0>(dst, src[0] + 4 * lane);
-          cp_async_run<1>(dst, src[1] + 4 * lane);
-          if ((threadIdx.x & 127) == 0) rmeta[head % kG8Ring] = blk;
-          ++head;
-          return;
-        }
-      };
-#pragma unroll 1
-      for (int i = 0; i < kG8Ring - 2; ++i) {
-        issue();
-        cp_async_commit();
-      }
-#pragma unroll 1
-      for (int t = 0; t < uniform(head); ++t) {
-        cp_async_wait<kG8Ring - 3>();
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the copies, for wgmma (async proxy)
-        named_bar_sync(1 + wg);  // block t is in; this warpgroup's chains of block t - 1 are done
-        const int32_t blk = chain(t);
-        // the refill (a block-table load, then the copies) while the chains run
-        issue();
-        cp_async_commit();
-        finish(blk);
-      }
     }
   }
+  if (wg == 0 && turned) turn_wait(1);  // warpgroup 1's pass after its last block
 #else
-  __trap();  // no wgmma in this code: the launcher never picks this kernel then (gemm8_level)
+  __trap();  // no wgmma in this code: the launcher never picks this kernel then (gemm8_enabled)
 #endif
 }
 
