@@ -40,11 +40,11 @@ const std::vector<Knob>& knob_table() {
        "4 is the prefill scorer before its 128-vector tiles; other values round down to one of these, a "
        "non-number is ignored); unset: 16."},
       {"INDEXCP_SCORE_GEMM8", K::kEnv, "1", "library (CUDA)",
-       "0 or 1. indexer_score_precision fp8_mma on compute capability 9.0: 1 scores FP8 keys (the prefill gather, an "
-       "FP8 cache of at least 128 rows per page) of requests with more than 128 query vectors (rows x heads) with the "
-       "GEMM-shaped kernel (256 vectors per CTA, keys copied straight into the wgmma operand, "
-       "src/cuda/score/gemm8.cuh), 0 keeps the tile scorer (the same bits); unset or another value: 1 (an experiment "
-       "knob, bench/NOTES.md)."},
+       "0 or 1. indexer_score_precision fp8_mma on compute capability 9.0, requests with more than 128 query "
+       "vectors (rows x heads): 1 scores E4M3 keys (the prefill gather's FP8 rows; FP8 and NVFP4 caches of at least 128 "
+       "rows per page) with the GEMM-shaped kernel (256 vectors per CTA, keys copied or expanded into the wgmma "
+       "operand, src/cuda/score/gemm8.cuh), 0 keeps the tile scorer (the same bits); unset or another value: 1 (an "
+       "experiment knob, bench/NOTES.md)."},
       {"INDEXCP_SCORE_DEBUG", K::kEnv, "0", "library (CUDA)", "debug bits of the scorer kernel (development only)."},
       // ---- a rank of a multi-process group (set by indexcp launch; docs/multi-process.md)
       {"INDEXCP_WORLD", K::kEnv, "", "launcher -> rank",

@@ -28,9 +28,9 @@
 // NVFP4 with E4M3 rounding, the stored ones for FP8 keys) go unconverted to the FP8 tensor cores,
 // wgmma m64nNk32.e4m3 at every width, the queries as raw E4M3 bytes in the same core-matrix
 // layout (form.hpp, form8_dim; docs/precision.md for the accuracy of the mode).
-// In the mode, E4M3 keys that are stored as the operand itself (the prefill gather's FP8 rows, an
-// FP8 cache with R >= 128) with more than 128 query vectors per request go to gemm8_score_kernel
-// instead (score/gemm8.cuh: 256 vectors per CTA, no expansion; keys as wgmma B, queries as A; the
+// In the mode, requests with more than 128 query vectors whose keys are the prefill gather's FP8
+// rows or a cache with R >= 128 go to gemm8_score_kernel instead (score/gemm8.cuh: 256 vectors per
+// CTA; FP8 keys copied as they are, NVFP4 keys expanded, into the wgmma B operand, queries as A; the
 // same products in the same k order, so the same bits). INDEXCP_SCORE_GEMM8=0 keeps the tiles.
 #include <cuda_fp16.h>
 
@@ -477,12 +477,12 @@ unsigned gemm8_grid_x(int per_sm, unsigned gy) {
   return static_cast<unsigned>(gx);
 }
 
-template <bool GATHER>
+template <bool GATHER, bool NVFP4>
 void launch_gemm8(const ScoreArgs& a, int64_t nvec_max, cudaStream_t stream) {
   constexpr int smem = gemm8_smem_bytes();
   static_assert(smem <= 227 * 1024, "shared memory");
   const int64_t gy = ceil_div(nvec_max, static_cast<int64_t>(kG8Vectors));
-  auto k = gemm8_score_kernel<GATHER>;
+  auto k = gemm8_score_kernel<GATHER, NVFP4>;
   check(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
         "cudaFuncSetAttribute (gemm8 score kernel shared memory)");
   if (!a.plan_local) {
@@ -496,10 +496,10 @@ void launch_gemm8(const ScoreArgs& a, int64_t nvec_max, cudaStream_t stream) {
   INDEXCP_CUDA_LAUNCH_CHECK("gemm8 score kernel launch");
 }
 
-// Whether the GEMM-shaped scorer takes the FP8 keys of an fp8_mma launch: INDEXCP_SCORE_GEMM8 (1,
-// the default; 0 keeps the tile scorer, the same bits), and only where its code exists: a build
-// with an sm_90a cubin and wgmma (INDEXCP_BUILD_SM90A from src/cuda/CMakeLists.txt,
-// INDEXCP_SCORE_WGMMA), run on compute capability 9.0.
+// Whether the GEMM-shaped scorer takes the E4M3 keys of fp8_mma launches (INDEXCP_SCORE_GEMM8: 0
+// keeps the tile scorer, the same bits). Only where its code exists: a build with an sm_90a cubin
+// and wgmma (INDEXCP_BUILD_SM90A from src/cuda/CMakeLists.txt, INDEXCP_SCORE_WGMMA), run on compute
+// capability 9.0.
 #ifndef INDEXCP_BUILD_SM90A
 #define INDEXCP_BUILD_SM90A 0
 #endif
@@ -626,12 +626,13 @@ void launch_score(const ScoreLaunch& s, cudaStream_t stream) {
   const dim3 grid(1, static_cast<unsigned>(gy));
   ensure_tables(stream);
   const bool stock = s.stock && R >= kBlockTokens;
-  // the GEMM-shaped scorer: E4M3 keys that are the MMA operand as stored (the gather's FP8 rows, an
-  // FP8 cache of at least 128 rows per page) and more than 128 query vectors per request (it holds
-  // 256 per CTA; INDEXCP_SCORE_MAX_NT below 16 keeps the tiles)
-  if (m8 && mode == kModeFp8 && nt == kMaxNt && nvec_max > 2 * kMaxNt * 8 && (s.keys.gather || R >= kBlockTokens) && gemm8_enabled()) {
-    if (s.keys.gather) launch_gemm8<true>(a, nvec_max, stream);
-    else launch_gemm8<false>(a, nvec_max, stream);
+  // the GEMM-shaped scorer: E4M3 keys (the gather's FP8 rows; FP8 or NVFP4 (E4M3 rounding: fp8_mma
+  // refuses exact) caches of at least 128 rows per page) and more than 128 query vectors per
+  // request (it holds 256 per CTA; INDEXCP_SCORE_MAX_NT below 16 keeps the tiles)
+  if (m8 && nt == kMaxNt && nvec_max > 2 * kMaxNt * 8 && (s.keys.gather || R >= kBlockTokens) && gemm8_enabled()) {
+    if (s.keys.gather) launch_gemm8<true, false>(a, nvec_max, stream);
+    else if (mode == kModeFp8) launch_gemm8<false, false>(a, nvec_max, stream);
+    else launch_gemm8<false, true>(a, nvec_max, stream);
     t_last_kernel = "gemm8";
   } else if (m8) {
     if (s.keys.gather) launch_nt<kModeFp8, false, true, true>(nt, a, grid, stream);

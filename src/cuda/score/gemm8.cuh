@@ -1,7 +1,8 @@
 // The GEMM-shaped scorer of E4M3 keys in the fp8_mma form (issue "Prefill indexer at tensor-core
 // speed"): keys whose stored bytes are already the MMA operand (the prefill gather's FP8 rows, an
 // FP8 cache with at least 128 rows per page) go from global memory straight into the wgmma B
-// operand, with no expansion and no register staging. Private to score.cu (src/cuda/score.cu has
+// operand, with no expansion and no register staging; NVFP4 keys with E4M3 rounding (R >= 128) are
+// expanded into it by the threads instead. Private to score.cu (src/cuda/score.cu has
 // the overview).
 //
 // Shape: 256 threads = two warpgroups; the CTA holds 256 query vectors of its slice, 128 per
@@ -29,7 +30,9 @@
 //
 // Pipeline: one ring of kG8Stages stages shared by the warpgroups, kG8Stages - 2 blocks in flight,
 // two mbarriers per stage. Every thread copies 16 rows of a block (warp w: rows 16 w .. 16 w + 15)
-// and arrives on the stage's `full` barrier when its copies land (cp.async.mbarrier.arrive.noinc);
+// and arrives on the stage's `full` barrier when its copies land (cp.async.mbarrier.arrive.noinc),
+// or, for NVFP4 keys (E4M3 rounding, R >= 128), expands half a row into it (gemm8_expand_half),
+// fences its stores for the async proxy and arrives;
 // thread 0 also writes the stage's block index and arrives once more. A thread waits on `full`,
 // fences the copies for the async proxy and issues its warpgroup's chains; once they are done it
 // arrives on the stage's `empty` barrier, which a thread waits on before it copies into the stage
@@ -42,6 +45,7 @@
 #include "cuda/kernels.cuh"
 #include "cuda/score/ptx.cuh"
 #include "cuda/score/schedule.cuh"
+#include "cuda/score/tiles.cuh"
 
 namespace indexcp::cuda::detail {
 
@@ -59,7 +63,7 @@ static_assert(kG8Stages >= 4, "INDEXCP_SCORE_G8_STAGES: at least 4");
 constexpr int kG8StageBytes = kBlockTokens * kHeadDim;  // 16 KiB
 constexpr int gemm8_smem_bytes() {
   return 1024 /* alignment of the swizzled stages */ + kG8Stages * kG8StageBytes + kG8Stages * 16 /* mbarriers */ +
-         kG8Stages * 4 + (kPlanLocal + 2) * 4;
+         kG8Stages * 4 + (kPlanLocal + 2) * 4 + 256 * 8 /* the NVFP4 k_hat table */;
 }
 
 // 4 bytes global -> shared (cp.async, through L1), the row offsets as immediates of the instruction
@@ -134,6 +138,53 @@ __device__ __forceinline__ bool gemm8_rows(const ScoreArgs& a, const Geo& G, con
   return true;
 }
 
+// NVFP4 (R >= 128): the page of pair s (block-table entry `page`) and the block's first row j0 on
+// it, or false (the checks of gemm8_rows). Uniform over the CTA.
+__device__ __forceinline__ bool gemm8_page(const ScoreArgs& a, const Geo& G, const ReqInfo& ri, int32_t s, int32_t page,
+                                           int32_t* blk, const uint8_t** pg, int32_t* j0) {
+  const int32_t lgspp = G.lgR - 7;
+  const int32_t lp = s >> lgspp;
+  if (lp >= ri.npages_needed) return false;
+  *j0 = (s & ((1 << lgspp) - 1)) << 7;
+  const int32_t bk = ((lp << G.lgP) + G.rank_off + *j0) >> 7;
+  if (bk >= ri.max_local) return false;
+  if (a.filter_mod > 1 && bk % a.filter_mod != a.filter_res) return false;
+  if (page < 0 || page >= a.keys.num_pages) return false;
+  *blk = bk;
+  *pg = a.keys.base + page * G.stride;
+  return true;
+}
+
+// NVFP4 with E4M3 rounding: half h of one key row (8 of its 16 code words, 4 of its 8 scale bytes)
+// expanded to its signed E4M3 bytes (form_khat_bytes, the table of the scale; a negative scale flips
+// the codes' signs, as fix_negative_scales does for the tile scorer) and stored as swizzled 16-byte
+// chunks 4h .. 4h + 3 of its row of the stage. Chunk c holds pieces c, c + 8, c + 16, c + 24 (word
+// t4 = piece c + 8 t4 = dims 4c + 32 t4 .. + 3), i.e. the lo (c even) or hi (c odd) bytes of code
+// words c / 2 + 4 t4: half h needs words 2h + jj + 4k (jj = 0, 1; k = 0..3), rw[k] = (word 2h + 4k,
+// word 2h + 1 + 4k), of scale group h + 2k. A warp's 8 consecutive rows write 8 different chunk
+// positions per 16-byte store: no conflict.
+__device__ __forceinline__ void gemm8_expand_half(const uint2 (&rw)[4], uint64_t scales, int h, const uint2* lut,
+                                                  uint32_t row_addr, uint32_t r7) {
+  uint32_t lo[2][4], hi[2][4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const uint32_t e = static_cast<uint32_t>(scales >> (8 * (h + 2 * k))) & 0xffu;
+    const uint2 l = lut[e];
+    const uint32_t neg = (0u - (e >> 7)) & 0x88888888u;
+    form_khat_bytes(rw[k].x ^ neg, l.x, l.y, &lo[0][k], &hi[0][k]);
+    form_khat_bytes(rw[k].y ^ neg, l.x, l.y, &lo[1][k], &hi[1][k]);
+  }
+#pragma unroll
+  for (int c4 = 0; c4 < 4; ++c4) {
+    const int jj = c4 >> 1;
+    const bool odd = c4 & 1;  // (c = 4h + c4 has the parity of c4)
+    const uint32_t dst = row_addr + (((static_cast<uint32_t>(4 * h + c4)) ^ r7) << 4);
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(dst), "r"(odd ? hi[jj][0] : lo[jj][0]),
+                 "r"(odd ? hi[jj][1] : lo[jj][1]), "r"(odd ? hi[jj][2] : lo[jj][2]), "r"(odd ? hi[jj][3] : lo[jj][3])
+                 : "memory");
+  }
+}
+
 // The epilogue of one block: the maxima over the 128 keys of the thread's four query vectors (rows
 // g and g + 8 of its warp's 16 in m64 tiles 0 and 1: values 2 m + r), reduce-scattered over the
 // quad so that lane t4 ends with value t4 over all 4 lanes (3 shuffles), and written where the
@@ -160,7 +211,9 @@ __device__ __forceinline__ void gemm8_epilogue(const float (&acc)[2][16][4], int
   if (blk < olim) out[obase + blk] = x;
 }
 
-template <bool GATHER>
+// NVFP4: the keys are an NVFP4 cache with E4M3 rounding and R >= 128 (not GATHER), expanded by the
+// threads into the stage (half a row each) instead of copied.
+template <bool GATHER, bool NVFP4>
 __global__ void __launch_bounds__(kG8Threads, 1) gemm8_score_kernel(const ScoreArgs a) {
 #if INDEXCP_HAVE_WGMMA
   extern __shared__ __align__(128) unsigned char g8_smem[];
@@ -170,6 +223,9 @@ __global__ void __launch_bounds__(kG8Threads, 1) gemm8_score_kernel(const ScoreA
   uint64_t* empty = full + kG8Stages;                                                 // [kG8Stages]
   int32_t* smeta = reinterpret_cast<int32_t*>(empty + kG8Stages);  // [kG8Stages]: the block of a stage
   int32_t* splan = smeta + kG8Stages;                              // [kPlanLocal + 1]
+  uint2* lut = reinterpret_cast<uint2*>(splan + kPlanLocal + 2);   // [256] (NVFP4)
+  if constexpr (NVFP4)
+    for (int i = threadIdx.x; i < 256; i += kG8Threads) lut[i] = g_khat_lut[i];
   if (threadIdx.x == 0) {
     for (int i = 0; i < kG8Stages; ++i) {
       mbar_init(&full[i], kG8Threads + 1);  // every thread's copies, and thread 0's block index
@@ -270,34 +326,74 @@ __global__ void __launch_bounds__(kG8Threads, 1) gemm8_score_kernel(const ScoreA
     int32_t next = s0;  // the next pair to look at
     int32_t pend = gemm8_bt<GATHER>(a, G, b, ri, next);  // its block-table entry
     int head = 0;       // blocks of this request issued
-    // the copies of the next scored pair into stage ist, once both warpgroups are done with it
-    auto issue = [&]() {
+    // the next scored pair into stage ist, once both warpgroups are done with it: copied (FP8 keys)
+    auto next_stage = [&]() {
+      mbar_wait(&empty[ist], iph ^ 1u);  // (a fresh barrier: the phase before it counts as done)
+      return ring0 + static_cast<uint32_t>(ist * kG8StageBytes);
+    };
+    auto published = [&](int32_t blk) {  // the stage's block index; the cursor moves on
+      if (threadIdx.x == 0) {
+        smeta[ist] = blk;
+        mbar_arrive(&full[ist]);
+      }
+      if (++ist == kG8Stages) {
+        ist = 0;
+        iph ^= 1u;
+      }
+      ++head;
+    };
+    // NVFP4: or expanded from the raw codes and scales of this thread's half row (row tid & 127,
+    // half wg) in registers, loaded one pair ahead of the expansion (load_next)
+    const int xrow = threadIdx.x & 127;
+    uint2 rw[4];
+    uint64_t rsc = 0;
+    int32_t raw_blk = -1;
+    auto load_next = [&]() {
+      raw_blk = -1;
       while (next < s1) {
         const int32_t s = next, page = pend;
         ++next;
-        pend = next < s1 ? gemm8_bt<GATHER>(a, G, b, ri, next) : -1;  // used by the next refill
-        int32_t blk;
-        const uint8_t* src;
-        if (!gemm8_rows<GATHER>(a, G, ri, s, page, warp, &blk, &src)) continue;
-        mbar_wait(&empty[ist], iph ^ 1u);  // (a fresh barrier: the phase before it counts as done)
-        const uint32_t base = ring0 + static_cast<uint32_t>(ist * kG8StageBytes);
-        uint32_t dst[8];
+        pend = next < s1 ? gemm8_bt<GATHER>(a, G, b, ri, next) : -1;
+        int32_t blk, j0;
+        const uint8_t* pgp;
+        if (!gemm8_page(a, G, ri, s, page, &blk, &pgp, &j0)) continue;
+        const uint8_t* rowp = pgp + static_cast<int64_t>(j0 + xrow) * kNvfp4DataBytesPerKey + 8 * wg;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) dst[i] = base + lane_off[i];
-        cp_async_run(dst, src + 4 * lane);
-        cp_async_arrive(&full[ist]);
-        if (threadIdx.x == 0) {
-          smeta[ist] = blk;
-          mbar_arrive(&full[ist]);
-        }
-        if (++ist == kG8Stages) {
-          ist = 0;
-          iph ^= 1u;
-        }
-        ++head;
+        for (int k = 0; k < 4; ++k) rw[k] = *reinterpret_cast<const uint2*>(rowp + 16 * k);
+        rsc = *reinterpret_cast<const uint64_t*>(pgp + G.scale0 + static_cast<int64_t>(j0 + xrow) * kNvfp4ScalesPerKey);
+        raw_blk = blk;
         return;
       }
     };
+    auto issue = [&]() {
+      if constexpr (NVFP4) {
+        if (!uniform(raw_blk >= 0)) return;
+        const uint32_t base = next_stage();
+        gemm8_expand_half(rw, rsc, wg, lut, base + static_cast<uint32_t>(xrow * kHeadDim), static_cast<uint32_t>(xrow & 7));
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stores, for wgmma (async proxy)
+        mbar_arrive(&full[ist]);
+        published(raw_blk);
+        load_next();
+      } else {
+        while (next < s1) {
+          const int32_t s = next, page = pend;
+          ++next;
+          pend = next < s1 ? gemm8_bt<GATHER>(a, G, b, ri, next) : -1;  // used by the next refill
+          int32_t blk;
+          const uint8_t* src;
+          if (!gemm8_rows<GATHER>(a, G, ri, s, page, warp, &blk, &src)) continue;
+          const uint32_t base = next_stage();
+          uint32_t dst[8];
+#pragma unroll
+          for (int i = 0; i < 8; ++i) dst[i] = base + lane_off[i];
+          cp_async_run(dst, src + 4 * lane);
+          cp_async_arrive(&full[ist]);
+          published(blk);
+          return;
+        }
+      }
+    };
+    if constexpr (NVFP4) load_next();
 #pragma unroll 1
     for (int i = 0; i < kG8Ahead; ++i) issue();
     float acc[2][16][4];
