@@ -33,8 +33,9 @@ const std::vector<Knob>& knob_table() {
        "kernel forces the scorer's separate work-plan kernel (the tests compare it with the in-CTA plan); unset: "
        "the plan is computed by each CTA up to 2,048 requests."},
       {"INDEXCP_SCORE_CTAS", K::kEnv, "", "library (CUDA)",
-       "CTAs along x of the scorer's grid (an experiment knob, bench/NOTES.md); unset: two to four waves over "
-       "the query slices."},
+       "CTAs along x of the scorer's grid, or all CTAs of the GEMM-shaped scorer's persistent grid (an experiment "
+       "knob, bench/NOTES.md); unset: two to four waves over the query slices (persistent: one CTA per "
+       "multiprocessor)."},
       {"INDEXCP_SCORE_MAX_NT", K::kEnv, "16", "library (CUDA)",
        "1, 2, 4, 8 or 16: the most query vectors per scorer CTA, in units of 8 (an experiment knob, bench/NOTES.md; "
        "4 is the prefill scorer before its 128-vector tiles; other values round down to one of these, a "
@@ -45,6 +46,11 @@ const std::vector<Knob>& knob_table() {
        "rows per page) with the GEMM-shaped kernel (256 vectors per CTA, keys copied or expanded into the wgmma "
        "operand, src/cuda/score/gemm8.cuh), 0 keeps the tile scorer (the same bits); unset or another value: 1 (an "
        "experiment knob, bench/NOTES.md)."},
+      {"INDEXCP_SCORE_G8_PERSISTENT", K::kEnv, "1", "library (CUDA)",
+       "0 or 1. 1: the GEMM-shaped fp8_mma scorer runs one CTA per multiprocessor, each taking an equal share of all "
+       "query slices' pairs (where every CTA computes the plan, up to 65,536 slices x requests); 0: a grid of CTAs per "
+       "slice (INDEXCP_SCORE_CTAS of them, or enough for whole waves); unset or another value: 1 (an experiment knob, "
+       "bench/NOTES.md)."},
       {"INDEXCP_SCORE_DEBUG", K::kEnv, "0", "library (CUDA)", "debug bits of the scorer kernel (development only)."},
       // ---- a rank of a multi-process group (set by indexcp launch; docs/multi-process.md)
       {"INDEXCP_WORLD", K::kEnv, "", "launcher -> rank",

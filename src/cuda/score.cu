@@ -454,10 +454,11 @@ void launch_t(const ScoreArgs& a, dim3 grid, cudaStream_t stream) {
 }
 
 // The GEMM-shaped fp8_mma scorer of E4M3 keys (score/gemm8.cuh): 256 query vectors per CTA, one
-// CTA per multiprocessor. CTAs along x share each slice's pairs as in grid_x, but their number is
-// chosen for whole waves: the fewest from ceil(2 x resident / slices) up whose CTAs fill their last
-// wave to at least 90% (else the best fill up to 4 waves): at the prefill's 64 slices and 132
-// multiprocessors, 6 per slice (384 CTAs, the last wave 97% full) rather than 5 (320, 42%).
+// CTA per multiprocessor. Without the persistent grid (gemm8_persistent), CTAs along x share each
+// slice's pairs as in grid_x, but their number is chosen for whole waves: the fewest from ceil(2 x
+// resident / slices) up whose CTAs fill their waves to at least 90% on average (else the best fill
+// up to 4 waves): at the prefill's 64 slices and 132 multiprocessors, 6 per slice (384 CTAs, 97%)
+// rather than 5 (320, 81%).
 unsigned gemm8_grid_x(int per_sm, unsigned gy) {
   const int64_t resident = static_cast<int64_t>(std::max(1, per_sm)) * sm_count();
   const int64_t lo = std::clamp<int64_t>(ceil_div(2 * resident, static_cast<int64_t>(gy)), 1, resident);
@@ -477,22 +478,40 @@ unsigned gemm8_grid_x(int per_sm, unsigned gy) {
   return static_cast<unsigned>(gx);
 }
 
+// The persistent grid of the GEMM-shaped scorer (INDEXCP_SCORE_G8_PERSISTENT, 1 by default): one
+// CTA per multiprocessor, each taking an equal share of all slices' pairs. Only with the in-CTA plan
+// and where each CTA's count of every slice's pairs stays small (slices x requests <= 65,536).
+bool gemm8_persistent(const ScoreArgs& a, int64_t gy) {
+  if (!a.plan_local || gy * a.rows.num_requests > 65536) return false;
+  const char* e = ::indexcp::detail::knob_env("INDEXCP_SCORE_G8_PERSISTENT");
+  return !(e && std::strcmp(e, "0") == 0);
+}
+
 template <bool GATHER, bool NVFP4>
-void launch_gemm8(const ScoreArgs& a, int64_t nvec_max, cudaStream_t stream) {
+void launch_gemm8(const ScoreArgs& a0, int64_t nvec_max, cudaStream_t stream) {
   constexpr int smem = gemm8_smem_bytes();
   static_assert(smem <= 227 * 1024, "shared memory");
   const int64_t gy = ceil_div(nvec_max, static_cast<int64_t>(kG8Vectors));
   auto k = gemm8_score_kernel<GATHER, NVFP4>;
   check(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
         "cudaFuncSetAttribute (gemm8 score kernel shared memory)");
+  ScoreArgs a = a0;
   if (!a.plan_local) {
     plan_kernel<GATHER><<<1, 1024, 0, stream>>>(a, const_cast<int32_t*>(a.plan));
     INDEXCP_CUDA_LAUNCH_CHECK("score plan kernel launch");
   }
   int per_sm = 0;
   check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, kG8Threads, smem), "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-  const unsigned gyu = static_cast<unsigned>(gy);
-  k<<<dim3(gemm8_grid_x(per_sm, gyu), gyu), kG8Threads, smem, stream>>>(a);
+  dim3 grid;
+  if (gemm8_persistent(a, gy)) {
+    a.g8_slices = static_cast<int32_t>(gy);
+    unsigned ctas = static_cast<unsigned>(std::max(1, per_sm) * sm_count());
+    if (const char* e = ::indexcp::detail::knob_env("INDEXCP_SCORE_CTAS")) ctas = static_cast<unsigned>(std::max(1, std::atoi(e)));
+    grid = dim3(ctas, 1);
+  } else {
+    grid = dim3(gemm8_grid_x(per_sm, static_cast<unsigned>(gy)), static_cast<unsigned>(gy));
+  }
+  k<<<grid, kG8Threads, smem, stream>>>(a);
   INDEXCP_CUDA_LAUNCH_CHECK("gemm8 score kernel launch");
 }
 
@@ -582,6 +601,7 @@ void launch_score(const ScoreLaunch& s, cudaStream_t stream) {
   a.max_blocks = s.max_blocks;
   a.debug = 0;
   a.wg_desc_bits = wg_desc_fixed_bits();
+  a.g8_slices = 0;
   if (const char* e = ::indexcp::detail::knob_env("INDEXCP_SCORE_DEBUG")) a.debug = std::atoi(e);
   const PageLayout& L = s.keys.layout;
   const int32_t R = L.rows();
@@ -629,7 +649,7 @@ void launch_score(const ScoreLaunch& s, cudaStream_t stream) {
   // the GEMM-shaped scorer: E4M3 keys (the gather's FP8 rows; FP8 or NVFP4 (E4M3 rounding: fp8_mma
   // refuses exact) caches of at least 128 rows per page) and more than 128 query vectors per
   // request (it holds 256 per CTA; INDEXCP_SCORE_MAX_NT below 16 keeps the tiles)
-  if (m8 && nt == kMaxNt && nvec_max > 2 * kMaxNt * 8 && (s.keys.gather || R >= kBlockTokens) && gemm8_enabled()) {
+  if (m8 && nt == kMaxNt && nvec_max > kMaxNt * 8 && (s.keys.gather || R >= kBlockTokens) && gemm8_enabled()) {
     if (s.keys.gather) launch_gemm8<true, false>(a, nvec_max, stream);
     else if (mode == kModeFp8) launch_gemm8<false, false>(a, nvec_max, stream);
     else launch_gemm8<false, true>(a, nvec_max, stream);

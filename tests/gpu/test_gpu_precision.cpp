@@ -314,8 +314,10 @@ TEST(GpuFp8Mma, GatherAndLocalScorePrefillEqualReplicated) {
 // GatherAndLocalScorePrefillEqualReplicated): random data, 5 requests (one of 700 rows, whose
 // slices end on every side of a block boundary, one empty), 4 and 2 heads (2,800 and 1,400 vectors:
 // the last CTA of a request half or wholly past its vectors), the in-CTA and the global work plan,
-// 1 CTA per slice and the default grid (a CTA takes many requests' pairs, or a share of one's);
-// and it is the kernel that ran by default (compute capability 9.0, a build with sm_90a code).
+// the persistent grid (a CTA's share crosses slices: 1 CTA for all, or one per multiprocessor) and
+// the grid of CTAs per slice (1 per slice, or the default), and NVFP4 scale bytes with the sign bit
+// set (the default launch); and it is the kernel that ran by default (compute capability 9.0, a
+// build with sm_90a code).
 TEST(GpuFp8Mma, GemmScorerEqualsTheTileScorer) {
   REQUIRE_GPU();
   int dev = 0, major = 0, minor = 0;
@@ -327,9 +329,23 @@ TEST(GpuFp8Mma, GemmScorerEqualsTheTileScorer) {
 #endif
   const bool sm90a = INDEXCP_BUILD_SM90A && major == 9 && minor == 0;  // the build has gemm8's code, the GPU runs it
   for (KvDtype dt : {KvDtype::kFp8, KvDtype::kNvfp4})
-  for (int32_t P : {128, 256}) {
+  for (int32_t P : {128, 256})
+  for (const bool neg : {false, true}) {
+    if (neg && dt != KvDtype::kNvfp4) continue;
     auto s = prefill_scene(P, 91u + P, false);
-    auto dev_c = device_shards(dt, s.req, 1, s.keys, s.slots);
+    std::vector<cuda::DeviceCache> dev_c;
+    if (!neg) {
+      dev_c = device_shards(dt, s.req, 1, s.keys, s.slots);
+    } else {  // NVFP4 scale bytes with the sign bit set (as in GpuNegScale): one (token, group) in five
+      auto host = make_shards(dt, s.req, 1, s.keys, s.slots);
+      const PageLayout& L = host[0].layout();
+      for (int64_t page = 0; page < host[0].num_pages(); ++page)
+        for (int32_t j = 0; j < L.rows(); ++j)
+          for (int gi = 0; gi < 8; ++gi)
+            if (((page * P + j) * 8 + gi) * 2654435761u % 5 == 0) host[0].page_ptr(0, page)[L.row_scale_offset(j) + gi] ^= 0x80;
+      dev_c.emplace_back(L, host[0].num_pages(), 1, 0);
+      dev_c[0].upload(host[0]);
+    }
     DevPrefill d(s);
     int32_t max_rows = 1;
     for (size_t b = 0; b + 1 < s.qs.size(); ++b) max_rows = std::max(max_rows, s.qs[b + 1] - s.qs[b]);
@@ -337,31 +353,36 @@ TEST(GpuFp8Mma, GemmScorerEqualsTheTileScorer) {
     const int64_t mb = static_cast<int64_t>(s.req.max_pages) * P / 128;
     for (const auto [h0, nh] : {std::pair<int32_t, int32_t>{0, 4}, {1, 2}})
       for (const char* plan : {"", "kernel"})
-        for (const char* ctas : {"", "1"}) {
-          ScopedEnv gemm8("INDEXCP_SCORE_GEMM8"), plan_env("INDEXCP_SCORE_PLAN"), ctas_env("INDEXCP_SCORE_CTAS");
-          plan_env.set(plan);
-          ctas_env.set(ctas);
-          const std::string where = to_string(dt) + " P" + std::to_string(P) + " heads " + std::to_string(h0) + ".." +
-                                    std::to_string(h0 + nh - 1) + " plan '" + plan + "' ctas '" + ctas + "'";
-          DevArr<float> out(static_cast<size_t>(nrows) * nh * mb);
-          std::vector<uint32_t> got[2];
-          for (int tiles = 0; tiles < 2; ++tiles) {
-            gemm8.set(tiles ? "0" : "");  // "": the default
-            out.fill_bytes(0x7f);  // NaN-free garbage: every entry must be written
-            cuda::prefill_scores(dev_c[0], 0, d.b, nrows, max_rows, h0, nh, out.get(), nullptr, kF8);
-            const std::string ran = cuda::detail::last_score_kernel();
-            CUDA_OK(cudaDeviceSynchronize());
-            EXPECT_EQ(ran, !tiles && sm90a ? "gemm8" : "tiles") << where;
-            got[tiles] = bits_of(out.host());
+        for (const char* ctas : {"", "1"})
+          for (const char* persist : {"", "0"}) {
+            if (neg && (*plan || *ctas || *persist)) continue;  // negative scales: the default launch only
+            ScopedEnv gemm8("INDEXCP_SCORE_GEMM8"), plan_env("INDEXCP_SCORE_PLAN"), ctas_env("INDEXCP_SCORE_CTAS"),
+                persist_env("INDEXCP_SCORE_G8_PERSISTENT");
+            plan_env.set(plan);
+            ctas_env.set(ctas);
+            persist_env.set(persist);
+            const std::string where = to_string(dt) + " P" + std::to_string(P) + " heads " + std::to_string(h0) + ".." +
+                                      std::to_string(h0 + nh - 1) + " plan '" + plan + "' ctas '" + ctas +
+                                      "' persistent '" + persist + "'" + (neg ? " negative scales" : "");
+            DevArr<float> out(static_cast<size_t>(nrows) * nh * mb);
+            std::vector<uint32_t> got[2];
+            for (int tiles = 0; tiles < 2; ++tiles) {
+              gemm8.set(tiles ? "0" : "");  // "": the default
+              out.fill_bytes(0x7f);  // (prefill_scores writes -inf everywhere first, then the scores)
+              cuda::prefill_scores(dev_c[0], 0, d.b, nrows, max_rows, h0, nh, out.get(), nullptr, kF8);
+              const std::string ran = cuda::detail::last_score_kernel();
+              CUDA_OK(cudaDeviceSynchronize());
+              EXPECT_EQ(ran, !tiles && sm90a ? "gemm8" : "tiles") << where;
+              got[tiles] = bits_of(out.host());
+            }
+            int64_t differ = 0, scored = 0;
+            for (size_t i = 0; i < got[0].size(); ++i) {
+              differ += got[0][i] != got[1][i];
+              scored += got[0][i] != 0xff800000u;  // not -inf
+            }
+            EXPECT_EQ(differ, 0) << where << ": the GEMM-shaped scorer differs from the tile scorer";
+            EXPECT_GT(scored, 1000) << where;
           }
-          int64_t differ = 0, scored = 0;
-          for (size_t i = 0; i < got[0].size(); ++i) {
-            differ += got[0][i] != got[1][i];
-            scored += got[0][i] != 0xff800000u;  // not -inf
-          }
-          EXPECT_EQ(differ, 0) << where << ": the GEMM-shaped scorer differs from the tile scorer";
-          EXPECT_GT(scored, 1000) << where;
-        }
   }
 }
 

@@ -14,9 +14,10 @@
 // TB/s at its speed: bench/NOTES.md v19). The block maximum of a query vector is then a maximum over
 // the 128 accumulator columns of its row: 31 fmax in the thread and a reduce-scatter over the quad
 // (no per-block maxima held across tiles). The warpgroups take turns at issuing their chains of a
-// block (two named barriers, CTA-wide: warpgroup 0 issues block c after warpgroup 1 issued block c
-// - 1, warpgroup 1 after warpgroup 0 issued block c), so the tensor cores run one warpgroup's
-// chains while the other takes its maxima ("ping-pong" on a shared stage).
+// block (two mbarriers of 128 arrivals each: warpgroup 0 issues block c after warpgroup 1 issued
+// block c - 1, warpgroup 1 after warpgroup 0 issued block c), so the tensor cores run one
+// warpgroup's chains while the other takes its maxima ("ping-pong" on a shared stage). Neither
+// barrier can run two phases ahead of its waiter: each arrival waits for the other's.
 //
 // The bits are those of every other scorer of the mode (form.hpp, form8_dim): k slot 16 half +
 // 4 t4 + i of k-step s8 multiplies dimension 32 t4 + 8 s8 + 4 half + i, with the queries as A and
@@ -29,8 +30,9 @@
 // GpuFp8Mma.GemmScorerEqualsTheTileScorer).
 //
 // Pipeline: one ring of kG8Stages stages shared by the warpgroups, kG8Stages - 2 blocks in flight,
-// two mbarriers per stage. Every thread copies 16 rows of a block (warp w: rows 16 w .. 16 w + 15)
-// and arrives on the stage's `full` barrier when its copies land (cp.async.mbarrier.arrive.noinc),
+// two mbarriers per stage. Every warp copies 16 rows of a block (warp w: rows 16 w .. 16 w + 15, 4
+// bytes per lane per row); every thread arrives on the stage's `full` barrier when its copies land
+// (cp.async.mbarrier.arrive.noinc),
 // or, for NVFP4 keys (E4M3 rounding, R >= 128), expands half a row into it (gemm8_expand_half),
 // fences its stores for the async proxy and arrives;
 // thread 0 also writes the stage's block index and arrives once more. A thread waits on `full`,
@@ -62,8 +64,8 @@ constexpr int kG8Ahead = kG8Stages - 2;              // blocks in flight
 static_assert(kG8Stages >= 4, "INDEXCP_SCORE_G8_STAGES: at least 4");
 constexpr int kG8StageBytes = kBlockTokens * kHeadDim;  // 16 KiB
 constexpr int gemm8_smem_bytes() {
-  return 1024 /* alignment of the swizzled stages */ + kG8Stages * kG8StageBytes + kG8Stages * 16 /* mbarriers */ +
-         kG8Stages * 4 + (kPlanLocal + 2) * 4 + 256 * 8 /* the NVFP4 k_hat table */;
+  return 1024 /* alignment of the swizzled stages */ + kG8Stages * kG8StageBytes + (2 * kG8Stages + 2) * 8 /* mbarriers */ +
+         kG8Stages * 4 + (kPlanLocal + 2) * 4 + 8 /* alignment of the table */ + 256 * 8 /* the NVFP4 k_hat table */;
 }
 
 // 4 bytes global -> shared (cp.async, through L1), the row offsets as immediates of the instruction
@@ -83,10 +85,6 @@ __device__ __forceinline__ void cp_async_run(const uint32_t (&dst)[8], const uin
 // register): the loops and branches around the wgmma instructions are then convergent (otherwise
 // ptxas serializes the wgmma instructions: C7518).
 __device__ __forceinline__ int32_t uniform(int32_t x) { return __reduce_max_sync(0xffffffffu, x); }
-// The turn barriers (ids 1 and 2; 0 is __syncthreads): the 128 threads of one warpgroup wait
-// (bar.sync) until the 128 of the other have arrived (bar.arrive), 256 in all.
-__device__ __forceinline__ void turn_wait(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
-__device__ __forceinline__ void turn_pass(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory"); }
 // The thread's arrival on a stage's `full` barrier when its cp.async copies so far have landed
 // (counted in the barrier's expected count: .noinc).
 __device__ __forceinline__ void cp_async_arrive(uint64_t* bar) {
@@ -211,6 +209,17 @@ __device__ __forceinline__ void gemm8_epilogue(const float (&acc)[2][16][4], int
   if (blk < olim) out[obase + blk] = x;
 }
 
+// The pairs of query slice y (256 vectors: rows y * 256 / nh .. (y * 256 + 255) / nh of each
+// request) over all requests: the total of that slice's plan (plan_block). For the persistent grid.
+template <bool GATHER>
+__device__ __forceinline__ int64_t gemm8_slice_pairs(const ScoreArgs& a, int32_t y) {
+  const int32_t v0 = y * kG8Vectors;
+  const Slice sl{v0, (v0 + kG8Vectors - 1) / a.nh};
+  int64_t t = 0;
+  for (int32_t b = 0; b < a.rows.num_requests; ++b) t += num_pairs<GATHER>(a, request_info(a, b, sl));
+  return t;
+}
+
 // NVFP4: the keys are an NVFP4 cache with E4M3 rounding and R >= 128 (not GATHER), expanded by the
 // threads into the stage (half a row each) instead of copied.
 template <bool GATHER, bool NVFP4>
@@ -221,9 +230,10 @@ __global__ void __launch_bounds__(kG8Threads, 1) gemm8_score_kernel(const ScoreA
   uint8_t* stages = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(g8_smem) + 1023) & ~uintptr_t{1023});
   uint64_t* full = reinterpret_cast<uint64_t*>(stages + kG8Stages * kG8StageBytes);  // [kG8Stages]
   uint64_t* empty = full + kG8Stages;                                                 // [kG8Stages]
-  int32_t* smeta = reinterpret_cast<int32_t*>(empty + kG8Stages);  // [kG8Stages]: the block of a stage
-  int32_t* splan = smeta + kG8Stages;                              // [kPlanLocal + 1]
-  uint2* lut = reinterpret_cast<uint2*>(splan + kPlanLocal + 2);   // [256] (NVFP4)
+  uint64_t* turn = empty + kG8Stages;  // [2]: warpgroup 0 / 1 has issued its chains of a block
+  int32_t* smeta = reinterpret_cast<int32_t*>(turn + 2);  // [kG8Stages]: the block of a stage
+  int32_t* splan = smeta + kG8Stages;                     // [kPlanLocal + 2]
+  uint2* lut = reinterpret_cast<uint2*>((reinterpret_cast<uintptr_t>(splan + kPlanLocal + 2) + 7) & ~uintptr_t{7});  // [256] (NVFP4)
   if constexpr (NVFP4)
     for (int i = threadIdx.x; i < 256; i += kG8Threads) lut[i] = g_khat_lut[i];
   if (threadIdx.x == 0) {
@@ -231,31 +241,58 @@ __global__ void __launch_bounds__(kG8Threads, 1) gemm8_score_kernel(const ScoreA
       mbar_init(&full[i], kG8Threads + 1);  // every thread's copies, and thread 0's block index
       mbar_init(&empty[i], kG8Threads);     // every thread's chains done
     }
+    mbar_init(&turn[0], kG8Threads / 2);  // the threads of one warpgroup
+    mbar_init(&turn[1], kG8Threads / 2);
     mbar_fence_init();
   }
   __syncthreads();
 
   const int32_t B = a.rows.num_requests;
-  const int32_t n0 = blockIdx.y * kG8Vectors;
-  const Slice sl = a.plan_local ? Slice{n0, (n0 + kG8Vectors - 1) / a.nh} : Slice{};
-  const int32_t* plan = a.plan;
-  if (a.plan_local) {
-    plan_block<GATHER, kG8Threads>(a, sl, splan, scan_tmp);
-    plan = splan;
-  }
-  const int64_t total = plan[B];
-  const int64_t p0 = total * blockIdx.x / gridDim.x, p1 = total * (blockIdx.x + 1) / gridDim.x;
-  if (p0 >= p1) return;
-  int32_t b_first = 0;
-  {
-    int32_t lo = 0, hi = B - 1;  // largest b with plan[b] <= p0
-    while (lo < hi) {
-      const int32_t mid = (lo + hi + 1) >> 1;
-      if (plan[mid] <= p0) lo = mid;
-      else hi = mid - 1;
+  // The work: the pairs of every query slice (256 vectors each, y = 0 .. slices - 1). Either each
+  // CTA takes a share of one slice's pairs (grid x = CTAs per slice, y = slices), or, persistent
+  // (a.g8_slices > 0, grid y = 1: gemm8_persistent), an equal share of all slices' pairs in slice
+  // order, slice by slice ("segments"), so that every multiprocessor gets the same work whatever
+  // the slices' sizes (a prefill chunk's later rows see more blocks) and fills its ring once per
+  // segment rather than once per CTA of a wave.
+  const int32_t nslices = a.g8_slices;
+  const bool persist = nslices > 0;
+  int32_t y = blockIdx.y;   // the segment's slice
+  int64_t lo = 0, hi = 0;   // persistent: this CTA's share of all slices' pairs
+  int64_t pre = 0;          // persistent: the pairs of slices before y
+  if (persist) {
+    __shared__ int64_t s_first[2];  // the first slice of the share and the pairs before it
+    using Scan64 = cub::BlockScan<int64_t, kG8Threads>;
+    __shared__ typename Scan64::TempStorage scan64;
+    int64_t W = 0;
+    for (int32_t y0 = 0; y0 < nslices; y0 += kG8Threads) {
+      const int32_t yy = y0 + static_cast<int32_t>(threadIdx.x);
+      const int64_t t = yy < nslices ? gemm8_slice_pairs<GATHER>(a, yy) : 0;
+      int64_t incl, tot;
+      Scan64(scan64).InclusiveSum(t, incl, tot);
+      W += tot;
+      __syncthreads();  // scan64 is reused
     }
-    b_first = uniform(lo);
+    lo = W * blockIdx.x / gridDim.x;
+    hi = W * (blockIdx.x + 1) / gridDim.x;
+    if (lo >= hi) return;
+    int64_t carry = 0;
+    for (int32_t y0 = 0; y0 < nslices; y0 += kG8Threads) {
+      const int32_t yy = y0 + static_cast<int32_t>(threadIdx.x);
+      const int64_t t = yy < nslices ? gemm8_slice_pairs<GATHER>(a, yy) : 0;
+      int64_t excl, tot;
+      Scan64(scan64).ExclusiveSum(t, excl, tot);
+      if (t > 0 && carry + excl <= lo && lo < carry + excl + t) {  // the one slice holding pair lo
+        s_first[0] = yy;
+        s_first[1] = carry + excl;
+      }
+      carry += tot;
+      __syncthreads();  // scan64 is reused; s_first is written
+      if (carry > lo) break;
+    }
+    y = static_cast<int32_t>(s_first[0]);
+    pre = s_first[1];
   }
+
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
   const int wg = warp >> 2, wq = warp & 3;
   const Geo G(a.keys);
@@ -271,161 +308,194 @@ __global__ void __launch_bounds__(kG8Threads, 1) gemm8_score_kernel(const ScoreA
   // the cursors, over the requests: the next stage to fill and its phase, the next to multiply
   int32_t ist = 0, cst = 0;
   uint32_t iph = 0, cph = 0;
-  bool turned = false;  // this warpgroup has issued chains before (warpgroup 0 then waits its turn)
+  uint32_t chains = 0;  // blocks this warpgroup has issued its chains of (the turn barriers' phases)
 
-  for (int32_t b = b_first; b < B && uniform(plan[b] < p1); ++b) {
-    const int64_t lo = plan[b] > p0 ? plan[b] : p0, hi = plan[b + 1] < p1 ? plan[b + 1] : p1;
-    const int32_t s0 = uniform(static_cast<int32_t>(lo - plan[b])), s1 = uniform(static_cast<int32_t>(hi - plan[b]));
-    if (s0 >= s1) continue;
-    const ReqInfo ri = request_info(a, b, sl);
-    const int32_t nvec = ri.cnt * a.nh;
-    if (!uniform(n0 < nvec)) continue;  // a slice past the request's vectors scores nothing
-    // A: query vectors v(m, r) = n0 + 128 wg + 64 m + 16 wq + g + 8 r (rows g, g + 8 of this warp's
-    // 16 in m64 tile m), raw E4M3 words of form8_dim: k-step s8 takes dims 32 t4 + 8 s8 + 0..3 (a0
-    // row g, a1 row g + 8) and + 4..7 (a2, a3)
-    const int32_t nw = n0 + 128 * wg;  // this warpgroup's first vector
-    uint32_t qa[2][4][4];
-#pragma unroll
-    for (int m = 0; m < 2; ++m)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int32_t v = nw + 64 * m + 16 * wq + g + 8 * r;
-        const uint8_t* qv = nullptr;
+  for (;;) {  // the segments: one (non-persistent), or the slices of the share
+    const int32_t n0 = y * kG8Vectors;
+    const Slice sl = a.plan_local ? Slice{n0, (n0 + kG8Vectors - 1) / a.nh} : Slice{};
+    const int32_t* plan = a.plan;
+    if (a.plan_local) {
+      __syncthreads();  // the previous segment's reads of splan are done
+      plan_block<GATHER, kG8Threads>(a, sl, splan, scan_tmp);
+      plan = splan;
+    }
+    const int64_t total = plan[B];
+    int64_t p0, p1;
+    if (persist) {
+      p0 = lo > pre ? lo - pre : 0;
+      p1 = hi - pre < total ? hi - pre : total;
+    } else {
+      p0 = total * blockIdx.x / gridDim.x;
+      p1 = total * (blockIdx.x + 1) / gridDim.x;
+    }
+    int32_t b_first = 0;
+    {
+      int32_t blo = 0, bhi = B - 1;  // largest b with plan[b] <= p0
+      while (blo < bhi) {
+        const int32_t mid = (blo + bhi + 1) >> 1;
+        if (plan[mid] <= p0) blo = mid;
+        else bhi = mid - 1;
+      }
+      b_first = uniform(blo);
+    }
+    if (p0 >= p1) b_first = B;  // nothing of this slice
+    for (int32_t b = b_first; b < B && uniform(plan[b] < p1); ++b) {
+      const int64_t lo = plan[b] > p0 ? plan[b] : p0, hi = plan[b + 1] < p1 ? plan[b + 1] : p1;
+      const int32_t s0 = uniform(static_cast<int32_t>(lo - plan[b])), s1 = uniform(static_cast<int32_t>(hi - plan[b]));
+      if (s0 >= s1) continue;
+      const ReqInfo ri = request_info(a, b, sl);
+      const int32_t nvec = ri.cnt * a.nh;
+      if (!uniform(n0 < nvec)) continue;  // a slice past the request's vectors scores nothing
+      // A: query vectors v(m, r) = n0 + 128 wg + 64 m + 16 wq + g + 8 r (rows g, g + 8 of this warp's
+      // 16 in m64 tile m), raw E4M3 words of form8_dim: k-step s8 takes dims 32 t4 + 8 s8 + 0..3 (a0
+      // row g, a1 row g + 8) and + 4..7 (a2, a3)
+      const int32_t nw = n0 + 128 * wg;  // this warpgroup's first vector
+      uint32_t qa[2][4][4];
+  #pragma unroll
+      for (int m = 0; m < 2; ++m)
+  #pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int32_t v = nw + 64 * m + 16 * wq + g + 8 * r;
+          const uint8_t* qv = nullptr;
+          if (v < nvec) {
+            const int32_t i = v / a.nh, hh = v % a.nh;
+            qv = a.q + ((static_cast<int64_t>(ri.row0) + i) * a.heads + a.h0 + hh) * kHeadDim + 32 * t4;
+          }
+  #pragma unroll
+          for (int s8 = 0; s8 < 4; ++s8)
+  #pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              uint32_t w = 0u;  // (= +0.0 in E4M3) for vectors past nvec
+              if (qv != nullptr) {
+                const uint8_t* p = qv + 8 * s8 + 4 * half;
+                w = q_aligned ? *reinterpret_cast<const uint32_t*>(p)
+                              : static_cast<uint32_t>(p[0]) | static_cast<uint32_t>(p[1]) << 8 |
+                                    static_cast<uint32_t>(p[2]) << 16 | static_cast<uint32_t>(p[3]) << 24;
+              }
+              qa[m][s8][2 * half + r] = w;
+            }
+        }
+      // the score this lane writes: value t4 of the epilogue, vector v(t4 >> 1, t4 & 1)
+      int64_t obase = 0;
+      int32_t olim = 0;
+      {
+        const int32_t v = nw + 64 * (t4 >> 1) + 16 * wq + g + 8 * (t4 & 1);
         if (v < nvec) {
           const int32_t i = v / a.nh, hh = v % a.nh;
-          qv = a.q + ((static_cast<int64_t>(ri.row0) + i) * a.heads + a.h0 + hh) * kHeadDim + 32 * t4;
+          olim = (ri.seq - ri.cnt + i) >> 7;  // historical blocks of this row (spec/indexer.md section 2)
+          obase = ((static_cast<int64_t>(ri.row0) + i) * a.nh + hh) * a.max_blocks;
         }
-#pragma unroll
-        for (int s8 = 0; s8 < 4; ++s8)
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            uint32_t w = 0u;  // (= +0.0 in E4M3) for vectors past nvec
-            if (qv != nullptr) {
-              const uint8_t* p = qv + 8 * s8 + 4 * half;
-              w = q_aligned ? *reinterpret_cast<const uint32_t*>(p)
-                            : static_cast<uint32_t>(p[0]) | static_cast<uint32_t>(p[1]) << 8 |
-                                  static_cast<uint32_t>(p[2]) << 16 | static_cast<uint32_t>(p[3]) << 24;
-            }
-            qa[m][s8][2 * half + r] = w;
-          }
       }
-    // the score this lane writes: value t4 of the epilogue, vector v(t4 >> 1, t4 & 1)
-    int64_t obase = 0;
-    int32_t olim = 0;
-    {
-      const int32_t v = nw + 64 * (t4 >> 1) + 16 * wq + g + 8 * (t4 & 1);
-      if (v < nvec) {
-        const int32_t i = v / a.nh, hh = v % a.nh;
-        olim = (ri.seq - ri.cnt + i) >> 7;  // historical blocks of this row (spec/indexer.md section 2)
-        obase = ((static_cast<int64_t>(ri.row0) + i) * a.nh + hh) * a.max_blocks;
-      }
-    }
 
-    // the request's blocks: pairs s0 .. s1 - 1, each copied by all 8 warps and multiplied by both
-    // warpgroups
-    int32_t next = s0;  // the next pair to look at
-    int32_t pend = gemm8_bt<GATHER>(a, G, b, ri, next);  // its block-table entry
-    int head = 0;       // blocks of this request issued
-    // the next scored pair into stage ist, once both warpgroups are done with it: copied (FP8 keys)
-    auto next_stage = [&]() {
-      mbar_wait(&empty[ist], iph ^ 1u);  // (a fresh barrier: the phase before it counts as done)
-      return ring0 + static_cast<uint32_t>(ist * kG8StageBytes);
-    };
-    auto published = [&](int32_t blk) {  // the stage's block index; the cursor moves on
-      if (threadIdx.x == 0) {
-        smeta[ist] = blk;
-        mbar_arrive(&full[ist]);
-      }
-      if (++ist == kG8Stages) {
-        ist = 0;
-        iph ^= 1u;
-      }
-      ++head;
-    };
-    // NVFP4: or expanded from the raw codes and scales of this thread's half row (row tid & 127,
-    // half wg) in registers, loaded one pair ahead of the expansion (load_next)
-    const int xrow = threadIdx.x & 127;
-    uint2 rw[4];
-    uint64_t rsc = 0;
-    int32_t raw_blk = -1;
-    auto load_next = [&]() {
-      raw_blk = -1;
-      while (next < s1) {
-        const int32_t s = next, page = pend;
-        ++next;
-        pend = next < s1 ? gemm8_bt<GATHER>(a, G, b, ri, next) : -1;
-        int32_t blk, j0;
-        const uint8_t* pgp;
-        if (!gemm8_page(a, G, ri, s, page, &blk, &pgp, &j0)) continue;
-        const uint8_t* rowp = pgp + static_cast<int64_t>(j0 + xrow) * kNvfp4DataBytesPerKey + 8 * wg;
-#pragma unroll
-        for (int k = 0; k < 4; ++k) rw[k] = *reinterpret_cast<const uint2*>(rowp + 16 * k);
-        rsc = *reinterpret_cast<const uint64_t*>(pgp + G.scale0 + static_cast<int64_t>(j0 + xrow) * kNvfp4ScalesPerKey);
-        raw_blk = blk;
-        return;
-      }
-    };
-    auto issue = [&]() {
-      if constexpr (NVFP4) {
-        if (!uniform(raw_blk >= 0)) return;
-        const uint32_t base = next_stage();
-        gemm8_expand_half(rw, rsc, wg, lut, base + static_cast<uint32_t>(xrow * kHeadDim), static_cast<uint32_t>(xrow & 7));
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stores, for wgmma (async proxy)
-        mbar_arrive(&full[ist]);
-        published(raw_blk);
-        load_next();
-      } else {
+      // the request's blocks: pairs s0 .. s1 - 1, each copied by all 8 warps and multiplied by both
+      // warpgroups
+      int32_t next = s0;  // the next pair to look at
+      int32_t pend = gemm8_bt<GATHER>(a, G, b, ri, next);  // its block-table entry
+      int head = 0;       // blocks of this request issued
+      // the next scored pair into stage ist, once both warpgroups are done with it: copied (FP8 keys)
+      auto next_stage = [&]() {
+        mbar_wait(&empty[ist], iph ^ 1u);  // (a fresh barrier: the phase before it counts as done)
+        return ring0 + static_cast<uint32_t>(ist * kG8StageBytes);
+      };
+      auto published = [&](int32_t blk) {  // the stage's block index; the cursor moves on
+        if (threadIdx.x == 0) {
+          smeta[ist] = blk;
+          mbar_arrive(&full[ist]);
+        }
+        if (++ist == kG8Stages) {
+          ist = 0;
+          iph ^= 1u;
+        }
+        ++head;
+      };
+      // NVFP4: or expanded from the raw codes and scales of this thread's half row (row tid & 127,
+      // half wg) in registers, loaded one pair ahead of the expansion (load_next)
+      const int xrow = threadIdx.x & 127;
+      uint2 rw[4];
+      uint64_t rsc = 0;
+      int32_t raw_blk = -1;
+      auto load_next = [&]() {
+        raw_blk = -1;
         while (next < s1) {
           const int32_t s = next, page = pend;
           ++next;
-          pend = next < s1 ? gemm8_bt<GATHER>(a, G, b, ri, next) : -1;  // used by the next refill
-          int32_t blk;
-          const uint8_t* src;
-          if (!gemm8_rows<GATHER>(a, G, ri, s, page, warp, &blk, &src)) continue;
-          const uint32_t base = next_stage();
-          uint32_t dst[8];
-#pragma unroll
-          for (int i = 0; i < 8; ++i) dst[i] = base + lane_off[i];
-          cp_async_run(dst, src + 4 * lane);
-          cp_async_arrive(&full[ist]);
-          published(blk);
+          pend = next < s1 ? gemm8_bt<GATHER>(a, G, b, ri, next) : -1;
+          int32_t blk, j0;
+          const uint8_t* pgp;
+          if (!gemm8_page(a, G, ri, s, page, &blk, &pgp, &j0)) continue;
+          const uint8_t* rowp = pgp + static_cast<int64_t>(j0 + xrow) * kNvfp4DataBytesPerKey + 8 * wg;
+  #pragma unroll
+          for (int k = 0; k < 4; ++k) rw[k] = *reinterpret_cast<const uint2*>(rowp + 16 * k);
+          rsc = *reinterpret_cast<const uint64_t*>(pgp + G.scale0 + static_cast<int64_t>(j0 + xrow) * kNvfp4ScalesPerKey);
+          raw_blk = blk;
           return;
         }
+      };
+      auto issue = [&]() {
+        if constexpr (NVFP4) {
+          if (!uniform(raw_blk >= 0)) return;
+          const uint32_t base = next_stage();
+          gemm8_expand_half(rw, rsc, wg, lut, base + static_cast<uint32_t>(xrow * kHeadDim), static_cast<uint32_t>(xrow & 7));
+          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stores, for wgmma (async proxy)
+          mbar_arrive(&full[ist]);
+          published(raw_blk);
+          load_next();
+        } else {
+          while (next < s1) {
+            const int32_t s = next, page = pend;
+            ++next;
+            pend = next < s1 ? gemm8_bt<GATHER>(a, G, b, ri, next) : -1;  // used by the next refill
+            int32_t blk;
+            const uint8_t* src;
+            if (!gemm8_rows<GATHER>(a, G, ri, s, page, warp, &blk, &src)) continue;
+            const uint32_t base = next_stage();
+            uint32_t dst[8];
+  #pragma unroll
+            for (int i = 0; i < 8; ++i) dst[i] = base + lane_off[i];
+            cp_async_run(dst, src + 4 * lane);
+            cp_async_arrive(&full[ist]);
+            published(blk);
+            return;
+          }
+        }
+      };
+      if constexpr (NVFP4) load_next();
+  #pragma unroll 1
+      for (int i = 0; i < kG8Ahead; ++i) issue();
+      float acc[2][16][4];
+  #pragma unroll 1
+      for (int t = 0; t < uniform(head); ++t) {
+        mbar_wait(&full[cst], cph);
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the copies, for wgmma (async proxy)
+        const int32_t blk = smeta[cst];
+        const uint32_t sa = ring0 + static_cast<uint32_t>(cst * kG8StageBytes);
+        if (wg == 0 && chains > 0) mbar_wait(&turn[1], (chains - 1) & 1u);  // warpgroup 1 issued block c - 1
+        if (wg == 1) mbar_wait(&turn[0], chains & 1u);                     // warpgroup 0 issued block c
+        wg_fence();
+  #pragma unroll
+        for (int m = 0; m < 2; ++m)
+  #pragma unroll
+          for (int s8 = 0; s8 < 4; ++s8) wgmma8_tile<16>(acc[m], qa[m][s8], sw128_desc(sa + 32 * s8), s8 > 0);
+        wg_commit();
+        mbar_arrive(&turn[wg]);
+        ++chains;
+        issue();  // the refill (a block-table load, then the copies or the expansion) while the chains run
+        wg_wait0();
+        fence_acc<16>(acc[0]);
+        fence_acc<16>(acc[1]);
+        mbar_arrive(&empty[cst]);
+        if (++cst == kG8Stages) {
+          cst = 0;
+          cph ^= 1u;
+        }
+        gemm8_epilogue(acc, t4, blk, a.scores, obase, olim);
       }
-    };
-    if constexpr (NVFP4) load_next();
-#pragma unroll 1
-    for (int i = 0; i < kG8Ahead; ++i) issue();
-    float acc[2][16][4];
-#pragma unroll 1
-    for (int t = 0; t < uniform(head); ++t) {
-      mbar_wait(&full[cst], cph);
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the copies, for wgmma (async proxy)
-      const int32_t blk = smeta[cst];
-      const uint32_t sa = ring0 + static_cast<uint32_t>(cst * kG8StageBytes);
-      if (wg == 0 && turned) turn_wait(1);  // warpgroup 1 has issued its chains of the previous block
-      if (wg == 1) turn_wait(2);            // warpgroup 0 has issued its chains of this block
-      wg_fence();
-#pragma unroll
-      for (int m = 0; m < 2; ++m)
-#pragma unroll
-        for (int s8 = 0; s8 < 4; ++s8) wgmma8_tile<16>(acc[m], qa[m][s8], sw128_desc(sa + 32 * s8), s8 > 0);
-      wg_commit();
-      turn_pass(wg == 0 ? 2 : 1);
-      turned = true;
-      issue();  // the refill (a block-table load, then the copies) while the chains run
-      wg_wait0();
-      fence_acc<16>(acc[0]);
-      fence_acc<16>(acc[1]);
-      mbar_arrive(&empty[cst]);
-      if (++cst == kG8Stages) {
-        cst = 0;
-        cph ^= 1u;
-      }
-      gemm8_epilogue(acc, t4, blk, a.scores, obase, olim);
     }
+    if (!persist) break;
+    pre += total;
+    ++y;
+    if (!uniform(pre < hi && y < nslices)) break;
   }
-  if (wg == 0 && turned) turn_wait(1);  // warpgroup 1's pass after its last block
 #else
   __trap();  // no wgmma in this code: the launcher never picks this kernel then (gemm8_enabled)
 #endif

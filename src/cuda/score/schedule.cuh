@@ -58,6 +58,7 @@ struct ScoreArgs {
                         // kPlanLocal), and plan_kernel is not launched
   int32_t debug;        // benchmarking aid (INDEXCP_SCORE_DEBUG): 1 = no arithmetic, 2 = no loads
   uint64_t wg_desc_bits;  // the fixed fields of the wgmma B descriptor (wg_desc_fixed_bits())
+  int32_t g8_slices;      // gemm8_score_kernel: > 0, the query slices of its persistent grid; 0: grid y = slices
 };
 
 struct ReqInfo {
