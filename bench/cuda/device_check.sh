@@ -17,6 +17,11 @@
 #               assignments of B_ENV added (e.g. B_ENV="INDEXCP_SCORE_MAX_NT=8"), alternating, AB_ROUNDS
 #               (2) times, in the precision modes of PRECS ("fp32 fp8_mma"); the bench's scorer lines
 #               go into summary.txt as each run ends
+#   prefill-variants  builds of compile-time variants, then `bench prefill` of each against the
+#               default build: PREFILL_VARIANTS="name=-DA=1,-DB=0 ..." (flags comma-separated), each
+#               built in build-<name> with CMAKE_CUDA_FLAGS set to its flags (in parallel, VJOBS jobs
+#               each); then AB_ROUNDS rounds over PRECS ("fp32") of the default build ($BUILD_DIR),
+#               the default with B_ENV (if set) and every variant; the scorer lines go to summary.txt
 # Environment: INDEXCP_SHARED_DIR (default ./shared), JOBS (16), BUILD_DIR (build-dev),
 #              INDEXCP_GIT_REV (stored in the records), BENCH_ARGS (extra args for every bench).
 set -uo pipefail
@@ -243,6 +248,37 @@ do_prefill_ab() {
   done
 }
 
+do_prefill_variants() {
+  [ -n "${PREFILL_VARIANTS:-}" ] || { log "prefill-variants: PREFILL_VARIANTS is empty"; return 2; }
+  local v n f r prec
+  for v in $PREFILL_VARIANTS; do
+    n=${v%%=*}
+    f=${v#*=}
+    f=${f//,/ }
+    ( { cmake -S . -B "build-$n" -G Ninja -DINDEXCP_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a -DCMAKE_BUILD_TYPE=Release \
+          -DINDEXCP_SHARED_DIR="$INDEXCP_SHARED_DIR" "-DCMAKE_CUDA_FLAGS=$f" &&
+        timeout "${BUILD_TIMEOUT:-420}" ninja -C "build-$n" -j "${VJOBS:-5}" indexcp_cli; } > "$OUT/build-$n.log" 2>&1
+      log "build-$n ($f) rc=$?" ) &
+  done
+  wait
+  for r in $(seq 1 "${AB_ROUNDS:-2}"); do
+    for prec in ${PRECS:-fp32}; do
+      variant_run "prefill-default-$prec-$r" "$BUILD_DIR" "" "$prec"
+      [ -n "${B_ENV:-}" ] && variant_run "prefill-benv-$prec-$r" "$BUILD_DIR" "$B_ENV" "$prec"
+      for v in $PREFILL_VARIANTS; do
+        n=${v%%=*}
+        variant_run "prefill-$n-$prec-$r" "build-$n" "" "$prec"
+      done
+    done
+  done
+}
+variant_run() {  # NAME BUILD_DIR ENV PRECISION: one `bench prefill` run of that build
+  local n
+  n=$(cat "$OUT/bench.log" 2>/dev/null | wc -l)
+  (set -f; [ -n "$3" ] && export $3; BUILD_DIR=$2 bench "$1" prefill -q --replays 20 --repeats 1 --score-precision "$4")
+  tail -n +$((n + 1)) "$OUT/bench.log" | grep -E '(prefill|gather) scorer' | tee -a "$OUT/summary.txt"
+}
+
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 for ph in $PHASES; do
   case $ph in
@@ -258,6 +294,7 @@ for ph in $PHASES; do
     engine) do_engine ;;
     plan) do_plan ;;
     prefill-ab) do_prefill_ab ;;
+    prefill-variants) do_prefill_variants ;;
   esac
 done
 tar -C "$RES" -cf "$OUT/records.tar" . 2>/dev/null

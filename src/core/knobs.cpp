@@ -46,8 +46,14 @@ const std::vector<Knob>& knob_table() {
        "rows per page) with the GEMM-shaped kernel (256 vectors per CTA, keys copied or expanded into the wgmma "
        "operand, src/cuda/score/gemm8.cuh), 0 keeps the tile scorer (the same bits); unset or another value: 1 (an "
        "experiment knob, bench/NOTES.md)."},
+      {"INDEXCP_SCORE_GEMM16", K::kEnv, "1", "library (CUDA)",
+       "0 or 1. indexer_score_precision fp32 on compute capability 9.0, requests with more than 128 query vectors "
+       "(rows x heads): 1 scores E4M3 keys (the prefill gather's FP8 rows; FP8 caches and NVFP4 caches with "
+       "indexer_k_rounding e4m3, of at least 128 rows per page) with the GEMM-shaped kernel's fp32 form (256 vectors "
+       "per CTA, keys and queries converted to fp16 in shared memory, src/cuda/score/gemm8.cuh), 0 keeps the tile "
+       "scorer (the same bits); unset or another value: 1 (an experiment knob, bench/NOTES.md)."},
       {"INDEXCP_SCORE_G8_PERSISTENT", K::kEnv, "1", "library (CUDA)",
-       "0 or 1. 1: the GEMM-shaped fp8_mma scorer runs one CTA per multiprocessor, each taking an equal share of all "
+       "0 or 1. 1: the GEMM-shaped scorer (both modes) runs one CTA per multiprocessor, each taking an equal share of all "
        "query slices' pairs (where every CTA computes the plan, up to 65,536 slices x requests); 0: a grid of CTAs per "
        "slice (INDEXCP_SCORE_CTAS of them, or enough for whole waves); unset or another value: 1 (an experiment knob, "
        "bench/NOTES.md)."},
@@ -121,6 +127,22 @@ const std::vector<Knob>& knob_table() {
       {"INDEXCP_SCORE_G8_STAGES", K::kMacro, "12", "build",
        "16 KiB key stages of the GEMM-shaped fp8_mma scorer's ring, which both warpgroups read (at least 4; "
        "stages - 2 blocks in flight)."},
+      {"INDEXCP_SCORE_G16_STAGES", K::kMacro, "3", "build",
+       "32 KiB fp16 key stages of the GEMM-shaped scorer's ring in its fp32 form (at least 3; 3 is the most that fits "
+       "beside its 64 KiB query tile and its raw ring of cp.async copies; stages - 2 blocks in flight)."},
+      {"INDEXCP_SCORE_G16_RAW", K::kMacro, "1", "build",
+       "1: the GEMM-shaped scorer's fp32 form copies each thread's raw key bytes several blocks ahead into a ring in "
+       "shared memory (cp.async) and keeps 3 fp16 stages; 0: one block ahead in registers, 4 stages (an experiment "
+       "knob, bench/NOTES.md)."},
+      {"INDEXCP_SCORE_G16_EARLY", K::kMacro, "0", "build",
+       "0: the GEMM-shaped scorer's fp32 form expands the next block after it issues a block's wgmma chains; 1: "
+       "before (an experiment knob, built but not yet run on a GPU: bench/NOTES.md v20)."},
+      {"INDEXCP_SCORE_G8_DEBUG", K::kMacro, "0", "build",
+       "1: the GEMM-shaped scorer honours INDEXCP_SCORE_DEBUG (1 no MMA, 2 no key loads or expansion where keys pass "
+       "through the threads, 4 no block maxima); 0: it ignores it (the checks cost registers)."},
+      {"INDEXCP_SCORE_G8_SPLIT", K::kMacro, "1", "build",
+       "1: the GEMM-shaped scorer commits each block's two m64 chains as two wgmma groups and takes the first tile's "
+       "block maxima while the second runs; 0: one group (both forms)."},
       {"INDEXCP_SCORE_WGMMA", K::kMacro, "1", "build", "0 builds the scorer without wgmma (mma.sync only)."},
       {"INDEXCP_SCORE_WGMMA_MIN_NT", K::kMacro, "2", "build", "the smallest tile width NT (8-vector groups) that uses wgmma."},
       {"INDEXCP_SCORE_WGMMA_NT1", K::kMacro, "0", "build", "1 lets NT = 1 tiles use wgmma too (this and INDEXCP_SCORE_WGMMA_MIN_NT do not apply to "

@@ -28,10 +28,12 @@
 // NVFP4 with E4M3 rounding, the stored ones for FP8 keys) go unconverted to the FP8 tensor cores,
 // wgmma m64nNk32.e4m3 at every width, the queries as raw E4M3 bytes in the same core-matrix
 // layout (form.hpp, form8_dim; docs/precision.md for the accuracy of the mode).
-// In the mode, requests with more than 128 query vectors whose keys are the prefill gather's FP8
-// rows or a cache with R >= 128 go to gemm8_score_kernel instead (score/gemm8.cuh: 256 vectors per
-// CTA; FP8 keys copied as they are, NVFP4 keys expanded, into the wgmma B operand, queries as A; the
-// same products in the same k order, so the same bits). INDEXCP_SCORE_GEMM8=0 keeps the tiles.
+// In either mode, requests with more than 128 query vectors whose keys are the prefill gather's FP8
+// rows or a cache with R >= 128 (E4M3 rounding for NVFP4) go to gemm8_score_kernel instead
+// (score/gemm8.cuh: 256 vectors per CTA, keys in the wgmma B operand, queries as A; fp8_mma: FP8 keys
+// copied as they are, NVFP4 keys expanded; fp32 ("gemm16"): keys and queries converted to fp16 in
+// shared memory; the same products in the same k order, so the same bits).
+// INDEXCP_SCORE_GEMM8=0 / INDEXCP_SCORE_GEMM16=0 keep the tiles.
 #include <cuda_fp16.h>
 
 #include <cub/block/block_scan.cuh>
@@ -487,12 +489,12 @@ bool gemm8_persistent(const ScoreArgs& a, int64_t gy) {
   return !(e && std::strcmp(e, "0") == 0);
 }
 
-template <bool GATHER, bool NVFP4>
+template <bool GATHER, bool NVFP4, bool F16>
 void launch_gemm8(const ScoreArgs& a0, int64_t nvec_max, cudaStream_t stream) {
-  constexpr int smem = gemm8_smem_bytes();
+  constexpr int smem = gemm8_smem_bytes<F16, NVFP4>();
   static_assert(smem <= 227 * 1024, "shared memory");
   const int64_t gy = ceil_div(nvec_max, static_cast<int64_t>(kG8Vectors));
-  auto k = gemm8_score_kernel<GATHER, NVFP4>;
+  auto k = gemm8_score_kernel<GATHER, NVFP4, F16>;
   check(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
         "cudaFuncSetAttribute (gemm8 score kernel shared memory)");
   ScoreArgs a = a0;
@@ -515,16 +517,16 @@ void launch_gemm8(const ScoreArgs& a0, int64_t nvec_max, cudaStream_t stream) {
   INDEXCP_CUDA_LAUNCH_CHECK("gemm8 score kernel launch");
 }
 
-// Whether the GEMM-shaped scorer takes the E4M3 keys of fp8_mma launches (INDEXCP_SCORE_GEMM8: 0
-// keeps the tile scorer, the same bits). Only where its code exists: a build with an sm_90a cubin
-// and wgmma (INDEXCP_BUILD_SM90A from src/cuda/CMakeLists.txt, INDEXCP_SCORE_WGMMA), run on compute
-// capability 9.0.
+// Whether the GEMM-shaped scorer takes the E4M3 keys of a launch in its mode (m8: fp8_mma): the knob
+// INDEXCP_SCORE_GEMM8 (fp8_mma) or INDEXCP_SCORE_GEMM16 (fp32) at 0 keeps the tile scorer, the same
+// bits. Only where its code exists: a build with an sm_90a cubin and wgmma (INDEXCP_BUILD_SM90A from
+// src/cuda/CMakeLists.txt, INDEXCP_SCORE_WGMMA), run on compute capability 9.0.
 #ifndef INDEXCP_BUILD_SM90A
 #define INDEXCP_BUILD_SM90A 0
 #endif
-bool gemm8_enabled() {
+bool gemm8_enabled(bool m8) {
   if (!INDEXCP_BUILD_SM90A || !INDEXCP_SCORE_WGMMA) return false;
-  if (const char* e = ::indexcp::detail::knob_env("INDEXCP_SCORE_GEMM8"))
+  if (const char* e = m8 ? ::indexcp::detail::knob_env("INDEXCP_SCORE_GEMM8") : ::indexcp::detail::knob_env("INDEXCP_SCORE_GEMM16"))
     if (std::strcmp(e, "0") == 0) return false;
   int dev = 0, major = 0, minor = 0;
   check(cudaGetDevice(&dev), "cudaGetDevice");
@@ -646,14 +648,21 @@ void launch_score(const ScoreLaunch& s, cudaStream_t stream) {
   const dim3 grid(1, static_cast<unsigned>(gy));
   ensure_tables(stream);
   const bool stock = s.stock && R >= kBlockTokens;
-  // the GEMM-shaped scorer: E4M3 keys (the gather's FP8 rows; FP8 or NVFP4 (E4M3 rounding: fp8_mma
-  // refuses exact) caches of at least 128 rows per page) and more than 128 query vectors per
-  // request (it holds 256 per CTA; INDEXCP_SCORE_MAX_NT below 16 keeps the tiles)
-  if (m8 && nt == kMaxNt && nvec_max > kMaxNt * 8 && (s.keys.gather || R >= kBlockTokens) && gemm8_enabled()) {
-    if (s.keys.gather) launch_gemm8<true, false>(a, nvec_max, stream);
-    else if (mode == kModeFp8) launch_gemm8<false, false>(a, nvec_max, stream);
-    else launch_gemm8<false, true>(a, nvec_max, stream);
+  // the GEMM-shaped scorer: E4M3 keys (the gather's FP8 rows; FP8 or NVFP4 caches with E4M3
+  // rounding (fp8_mma refuses exact; in fp32 exact keeps the tiles) of at least 128 rows per page)
+  // and more than 128 query vectors per request (it holds 256 per CTA; INDEXCP_SCORE_MAX_NT below
+  // 16 keeps the tiles): the fp8_mma form ("gemm8") or the fp32 form ("gemm16")
+  const bool gemm = nt == kMaxNt && nvec_max > kMaxNt * 8 && (s.keys.gather || R >= kBlockTokens) && mode != kModeExact;
+  if (gemm && m8 && gemm8_enabled(true)) {
+    if (s.keys.gather) launch_gemm8<true, false, false>(a, nvec_max, stream);
+    else if (mode == kModeFp8) launch_gemm8<false, false, false>(a, nvec_max, stream);
+    else launch_gemm8<false, true, false>(a, nvec_max, stream);
     t_last_kernel = "gemm8";
+  } else if (gemm && !m8 && gemm8_enabled(false)) {
+    if (s.keys.gather) launch_gemm8<true, false, true>(a, nvec_max, stream);
+    else if (mode == kModeFp8) launch_gemm8<false, false, true>(a, nvec_max, stream);
+    else launch_gemm8<false, true, true>(a, nvec_max, stream);
+    t_last_kernel = "gemm16";
   } else if (m8) {
     if (s.keys.gather) launch_nt<kModeFp8, false, true, true>(nt, a, grid, stream);
     else if (stock && mode == kModeFp8) launch_nt<kModeFp8, true, false, true>(nt, a, grid, stream);

@@ -89,6 +89,19 @@ std::vector<float> decode_scores_of(const cuda::DeviceCache& c, const DecodeBatc
   return sc.host();
 }
 
+// Whether the GEMM-shaped scorer can run: the build has its sm_90a code and the GPU is compute
+// capability 9.0 (launch_score takes it by default then).
+#ifndef INDEXCP_BUILD_SM90A
+#define INDEXCP_BUILD_SM90A 0
+#endif
+bool gemm_scorer_here() {
+  int dev = 0, major = 0, minor = 0;
+  EXPECT_EQ(cudaGetDevice(&dev), cudaSuccess);
+  EXPECT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), cudaSuccess);
+  EXPECT_EQ(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev), cudaSuccess);
+  return INDEXCP_BUILD_SM90A && major == 9 && minor == 0;
+}
+
 // A prefill batch over a decode batch's arrays (the same q, block table and seq_lens), with the
 // given query_start (device or host, as the batch's other pointers).
 PrefillBatch prefill_over(const DecodeBatch& b, const int32_t* query_start) {
@@ -307,27 +320,23 @@ TEST(GpuFp8Mma, GatherAndLocalScorePrefillEqualReplicated) {
       }
 }
 
-// The GEMM-shaped scorer of E4M3 keys (src/cuda/score/gemm8.cuh: 256 query vectors per CTA, FP8
-// keys copied straight into the wgmma operand or NVFP4 keys expanded into it, the queries as A)
-// gives the bits of the tile scorer (score_kernel, INDEXCP_SCORE_GEMM8=0) for every entry of
-// prefill_scores on FP8 and NVFP4 caches of P = 128 and 256 (the gather's staged rows:
+// The GEMM-shaped scorer of E4M3 keys (src/cuda/score/gemm8.cuh: 256 query vectors per CTA; in
+// fp8_mma FP8 keys copied straight into the wgmma operand or NVFP4 keys expanded into it, the
+// queries as A; in fp32 keys and queries converted to fp16 in shared memory) gives the bits of the
+// tile scorer (score_kernel, INDEXCP_SCORE_GEMM8=0 / INDEXCP_SCORE_GEMM16=0) in both modes for every
+// entry of prefill_scores on FP8 and NVFP4 caches of P = 128 and 256 (the gather's staged rows:
 // GatherAndLocalScorePrefillEqualReplicated): random data, 5 requests (one of 700 rows, whose
 // slices end on every side of a block boundary, one empty), 4 and 2 heads (2,800 and 1,400 vectors:
-// the last CTA of a request half or wholly past its vectors), the in-CTA and the global work plan,
+// the last CTA of a request half or wholly past its vectors), the first request alone with one head
+// (130 vectors: one CTA, half of it past them), the in-CTA and the global work plan,
 // the persistent grid (a CTA's share crosses slices: 1 CTA for all, or one per multiprocessor) and
 // the grid of CTAs per slice (1 per slice, or the default), and NVFP4 scale bytes with the sign bit
 // set (the default launch); and it is the kernel that ran by default (compute capability 9.0, a
 // build with sm_90a code).
 TEST(GpuFp8Mma, GemmScorerEqualsTheTileScorer) {
   REQUIRE_GPU();
-  int dev = 0, major = 0, minor = 0;
-  CUDA_OK(cudaGetDevice(&dev));
-  CUDA_OK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  CUDA_OK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-#ifndef INDEXCP_BUILD_SM90A
-#define INDEXCP_BUILD_SM90A 0
-#endif
-  const bool sm90a = INDEXCP_BUILD_SM90A && major == 9 && minor == 0;  // the build has gemm8's code, the GPU runs it
+  const bool sm90a = gemm_scorer_here();
+  for (const ScorePrecision prec : {kF8, ScorePrecision::kFp32})
   for (KvDtype dt : {KvDtype::kFp8, KvDtype::kNvfp4})
   for (int32_t P : {128, 256})
   for (const bool neg : {false, true}) {
@@ -347,32 +356,41 @@ TEST(GpuFp8Mma, GemmScorerEqualsTheTileScorer) {
       dev_c[0].upload(host[0]);
     }
     DevPrefill d(s);
-    int32_t max_rows = 1;
-    for (size_t b = 0; b + 1 < s.qs.size(); ++b) max_rows = std::max(max_rows, s.qs[b + 1] - s.qs[b]);
-    const int64_t nrows = s.qs.back();
     const int64_t mb = static_cast<int64_t>(s.req.max_pages) * P / 128;
-    for (const auto [h0, nh] : {std::pair<int32_t, int32_t>{0, 4}, {1, 2}})
+    struct Case {
+      int32_t h0, nh, nreq;
+    };
+    for (const Case c : {Case{0, 4, 5}, Case{1, 2, 5}, Case{2, 1, 1}})
       for (const char* plan : {"", "kernel"})
         for (const char* ctas : {"", "1"})
           for (const char* persist : {"", "0"}) {
-            if (neg && (*plan || *ctas || *persist)) continue;  // negative scales: the default launch only
-            ScopedEnv gemm8("INDEXCP_SCORE_GEMM8"), plan_env("INDEXCP_SCORE_PLAN"), ctas_env("INDEXCP_SCORE_CTAS"),
+            if ((neg || c.nreq == 1) && (*plan || *ctas || *persist)) continue;  // the default launch only
+            const int32_t h0 = c.h0, nh = c.nh;
+            PrefillBatch batch = d.b;
+            batch.num_requests = c.nreq;
+            int32_t max_rows = 1;
+            for (int32_t b = 0; b < c.nreq; ++b) max_rows = std::max(max_rows, s.qs[b + 1] - s.qs[b]);
+            const int64_t nrows = s.qs[c.nreq];
+            const char* knob = prec == kF8 ? "INDEXCP_SCORE_GEMM8" : "INDEXCP_SCORE_GEMM16";
+            ScopedEnv gemm_env(knob), plan_env("INDEXCP_SCORE_PLAN"), ctas_env("INDEXCP_SCORE_CTAS"),
                 persist_env("INDEXCP_SCORE_G8_PERSISTENT");
             plan_env.set(plan);
             ctas_env.set(ctas);
             persist_env.set(persist);
-            const std::string where = to_string(dt) + " P" + std::to_string(P) + " heads " + std::to_string(h0) + ".." +
-                                      std::to_string(h0 + nh - 1) + " plan '" + plan + "' ctas '" + ctas +
-                                      "' persistent '" + persist + "'" + (neg ? " negative scales" : "");
+            const std::string where = std::string(prec == kF8 ? "fp8_mma " : "fp32 ") + to_string(dt) + " P" +
+                                      std::to_string(P) + " heads " + std::to_string(h0) + ".." +
+                                      std::to_string(h0 + nh - 1) + " requests " + std::to_string(c.nreq) + " plan '" +
+                                      plan + "' ctas '" + ctas + "' persistent '" + persist + "'" +
+                                      (neg ? " negative scales" : "");
             DevArr<float> out(static_cast<size_t>(nrows) * nh * mb);
             std::vector<uint32_t> got[2];
             for (int tiles = 0; tiles < 2; ++tiles) {
-              gemm8.set(tiles ? "0" : "");  // "": the default
+              gemm_env.set(tiles ? "0" : "");  // "": the default
               out.fill_bytes(0x7f);  // (prefill_scores writes -inf everywhere first, then the scores)
-              cuda::prefill_scores(dev_c[0], 0, d.b, nrows, max_rows, h0, nh, out.get(), nullptr, kF8);
+              cuda::prefill_scores(dev_c[0], 0, batch, nrows, max_rows, h0, nh, out.get(), nullptr, prec);
               const std::string ran = cuda::detail::last_score_kernel();
               CUDA_OK(cudaDeviceSynchronize());
-              EXPECT_EQ(ran, !tiles && sm90a ? "gemm8" : "tiles") << where;
+              EXPECT_EQ(ran, !tiles && sm90a ? (prec == kF8 ? "gemm8" : "gemm16") : "tiles") << where;
               got[tiles] = bits_of(out.host());
             }
             int64_t differ = 0, scored = 0;
@@ -381,9 +399,54 @@ TEST(GpuFp8Mma, GemmScorerEqualsTheTileScorer) {
               scored += got[0][i] != 0xff800000u;  // not -inf
             }
             EXPECT_EQ(differ, 0) << where << ": the GEMM-shaped scorer differs from the tile scorer";
-            EXPECT_GT(scored, 1000) << where;
+            EXPECT_GT(scored, c.nreq == 1 ? 100 : 1000) << where;
           }
   }
+}
+
+// Decode rows reach the GEMM-shaped scorer too where a request has more than 128 query vectors
+// (query_len 16 x 16 heads = 256), in both modes, and give the tile scorer's bits: decode_scores
+// (rows at different positions of their request) and the decode CP path (a block filter: each rank
+// scores blocks b % 2 == rank of the replicated cache), FP8 and NVFP4 caches, P = 128 and 256.
+TEST(GpuFp8Mma, GemmScorerTakesDecodeRowsWithTheTilesBits) {
+  REQUIRE_GPU();
+  const bool sm90a = gemm_scorer_here();
+  const int32_t H = 16, Q = 16, W = 2;
+  for (const ScorePrecision prec : {kF8, ScorePrecision::kFp32})
+    for (KvDtype dt : {KvDtype::kFp8, KvDtype::kNvfp4})
+      for (int32_t P : {128, 256}) {
+        auto s = make_scene({3000, 129, 0, 700}, P, 70u + P, Data::kRandom);
+        auto repl = device_shards(dt, s.req, 1, s.keys, s.slots);
+        const int32_t B = static_cast<int32_t>(s.req.seq_lens.size());
+        const auto q = make_q(static_cast<int64_t>(B) * Q, H, 71u);
+        DevDecode d(s.req, q, H, Q);
+        const cuda::DecodeShape shape = decode_shape(B, s.req.max_pages, Q, H, KRounding::kE4m3, prec);
+        const std::string where = std::string(prec == kF8 ? "fp8_mma " : "fp32 ") + to_string(dt) + " P" + std::to_string(P);
+        const std::string gemm = prec == kF8 ? "gemm8" : "gemm16";
+        ScopedEnv knob(prec == kF8 ? "INDEXCP_SCORE_GEMM8" : "INDEXCP_SCORE_GEMM16");
+        std::vector<uint32_t> sc[2];
+        std::vector<int32_t> cp[2];
+        for (int tiles = 0; tiles < 2; ++tiles) {
+          knob.set(tiles ? "0" : "");
+          sc[tiles] = bits_of(decode_scores_of(repl[0], d.b, 0, H, prec));
+          EXPECT_EQ(std::string(cuda::detail::last_score_kernel()), !tiles && sm90a ? gemm : "tiles") << where;
+          DevArr<int32_t> out(static_cast<size_t>(B) * Q * H * shape.sel.topk);
+          out.fill_bytes(0x7f);
+          cuda::DecodeStep step({&repl[0]}, W, 0, shape, cuda::DecodePath::kDecodeCp);
+          step.run(d.b, out.get(), nullptr);
+          CUDA_OK(cudaDeviceSynchronize());
+          EXPECT_EQ(std::string(cuda::detail::last_score_kernel()), !tiles && sm90a ? gemm : "tiles") << where << " decode CP";
+          cp[tiles] = out.host();
+        }
+        int64_t differ = 0, scored = 0;
+        for (size_t i = 0; i < sc[0].size(); ++i) {
+          differ += sc[0][i] != sc[1][i];
+          scored += sc[0][i] != 0xff800000u;
+        }
+        EXPECT_EQ(differ, 0) << where << ": decode scores of the GEMM-shaped scorer differ from the tile scorer's";
+        EXPECT_GT(scored, 1000) << where;
+        EXPECT_EQ(cp[0], cp[1]) << where << ": decode CP selections differ";
+      }
 }
 
 // The plans made from a resolved config carry the mode (DecodePlan, PrefillPlan through the CUDA

@@ -1,9 +1,10 @@
-// The GEMM-shaped scorer of E4M3 keys in the fp8_mma form (issue "Prefill indexer at tensor-core
-// speed"): keys whose stored bytes are already the MMA operand (the prefill gather's FP8 rows, an
-// FP8 cache with at least 128 rows per page) go from global memory straight into the wgmma B
-// operand, with no expansion and no register staging; NVFP4 keys with E4M3 rounding (R >= 128) are
-// expanded into it by the threads instead. Private to score.cu (src/cuda/score.cu has
-// the overview).
+// The GEMM-shaped scorer of E4M3 keys (issue "Prefill indexer at tensor-core speed"), in both
+// precision modes. fp8_mma ("gemm8"): keys whose stored bytes are already the MMA operand (the
+// prefill gather's FP8 rows, an FP8 cache with at least 128 rows per page) go from global memory
+// straight into the wgmma B operand, with no expansion and no register staging; NVFP4 keys with
+// E4M3 rounding (R >= 128) are expanded into it by the threads instead. fp32 ("gemm16", template
+// flag F16, below the fp8_mma description): the same shape on fp16 operands. Private to score.cu
+// (src/cuda/score.cu has the overview).
 //
 // Shape: 256 threads = two warpgroups; the CTA holds 256 query vectors of its slice, 128 per
 // warpgroup, as the A operand in registers (two m64 tiles of raw E4M3 bytes per warpgroup, loaded
@@ -29,7 +30,7 @@
 // GPU suite compares these scores with score_kernel's bit for bit (All/GpuFp8MmaForm.*,
 // GpuFp8Mma.GemmScorerEqualsTheTileScorer).
 //
-// Pipeline: one ring of kG8Stages stages shared by the warpgroups, kG8Stages - 2 blocks in flight,
+// Pipeline: one ring of G8Form::kStages stages shared by the warpgroups, kStages - 2 blocks in flight,
 // two mbarriers per stage. Every warp copies 16 rows of a block (warp w: rows 16 w .. 16 w + 15, 4
 // bytes per lane per row); every thread arrives on the stage's `full` barrier when its copies land
 // (cp.async.mbarrier.arrive.noinc),
@@ -39,6 +40,18 @@
 // fences the copies for the async proxy and issues its warpgroup's chains; once they are done it
 // arrives on the stage's `empty` barrier, which a thread waits on before it copies into the stage
 // again. The counters (stage, phase) run on over the requests of the CTA.
+//
+// The fp32 form (F16): wgmma m64n128k16 with fp32 accumulation, both operands fp16 in shared memory
+// in the 128-byte swizzle (a 256-byte row is two 128-byte halves of 64 dimensions, 16 KiB per half
+// of a stage): the CTA's 256 query vectors are converted from E4M3 once per request (64 KiB), and
+// every key passes through the threads: FP8 bytes converted (cvt.rn.f16x2.e4m3x2), NVFP4 codes
+// expanded (form_expand_e4m3), half a row per thread, into a stage of 3 (32 KiB each). The raw key
+// bytes come from a ring of the thread's own in shared memory, filled by cp.async 3 (FP8) or 5
+// (NVFP4) blocks ahead (one commit group per block, cp.async.wait_group); a thread expands its half
+// row of the next block after it has issued its chains of a block, as the NVFP4 fp8_mma form does
+// (bench/NOTES.md v20 has the measurements and the variants not yet measured). The k slots are those
+// of form_dim: the products and their order per k-step are the tile scorer's, so the scores have
+// its bits (GpuFp8Mma.GemmScorerEqualsTheTileScorer).
 #pragma once
 
 #include <cub/block/block_scan.cuh>
@@ -55,18 +68,69 @@ namespace indexcp::cuda::detail {
 namespace {
 
 constexpr int kG8Threads = 256;
+// Each block's chains as two commit groups (m64 tile 0, tile 1), so that tile 0's maxima are taken
+// while tile 1's chain runs; 0: one group
+#ifndef INDEXCP_SCORE_G8_SPLIT
+#define INDEXCP_SCORE_G8_SPLIT 1
+#endif
+constexpr bool kG8Split = INDEXCP_SCORE_G8_SPLIT != 0;
+#ifndef INDEXCP_SCORE_G8_DEBUG
+#define INDEXCP_SCORE_G8_DEBUG 0
+#endif
 constexpr int kG8Vectors = 256;  // query vectors per CTA: 128 per warpgroup (NT = 16 each)
 #ifndef INDEXCP_SCORE_G8_STAGES
 #define INDEXCP_SCORE_G8_STAGES 12
 #endif
-constexpr int kG8Stages = INDEXCP_SCORE_G8_STAGES;  // the ring
-constexpr int kG8Ahead = kG8Stages - 2;              // blocks in flight
-static_assert(kG8Stages >= 4, "INDEXCP_SCORE_G8_STAGES: at least 4");
-constexpr int kG8StageBytes = kBlockTokens * kHeadDim;  // 16 KiB
+// The fp32 form's raw ring (1) or one pair ahead in registers with 4 stages (0); its expansion
+// of the next block after a block's chains are issued (0) or before (1: not yet run on a GPU,
+// bench/NOTES.md v20)
+#ifndef INDEXCP_SCORE_G16_RAW
+#define INDEXCP_SCORE_G16_RAW 1
+#endif
+#ifndef INDEXCP_SCORE_G16_EARLY
+#define INDEXCP_SCORE_G16_EARLY 0
+#endif
+#ifndef INDEXCP_SCORE_G16_STAGES
+#define INDEXCP_SCORE_G16_STAGES (INDEXCP_SCORE_G16_RAW ? 3 : 4)
+#endif
+// The shapes of the two forms. fp8_mma (F16 false): a stage holds a block's raw E4M3 key bytes (16
+// KiB), the queries are registers. fp32 (F16, "gemm16"): a stage holds a block's keys as fp16 (32
+// KiB: two 16 KiB halves of 64 dimensions, as the 128-byte swizzle holds 64 fp16 per row), the
+// CTA's 256 query vectors sit in shared memory as fp16 too (64 KiB, the same two halves), and the
+// raw key bytes that each thread converts into a stage come from a ring of its own in shared memory
+// (kRawSlots blocks ahead, cp.async): piece k (8 bytes of NVFP4 codes or scales, 16 bytes of FP8)
+// of thread t at (k * 256 + t) * kRawPiece of its slot, so a warp's reads are contiguous.
+template <bool F16, bool NVFP4>
+struct G8Form {
+  static constexpr int kStages = F16 ? INDEXCP_SCORE_G16_STAGES : INDEXCP_SCORE_G8_STAGES;  // the ring
+  static constexpr int kAhead = kStages - 2;                                                 // blocks in flight
+  static constexpr int kStageBytes = kBlockTokens * kHeadDim * (F16 ? 2 : 1);
+  static constexpr int kHalfBytes = kBlockTokens * 128;               // F16: one 64-dimension half of a stage
+  static constexpr int kQBytes = F16 ? kG8Vectors * kHeadDim * 2 : 0;  // F16: the query tile
+  static constexpr int kRawPiece = NVFP4 ? 8 : 16;                    // F16: the raw ring
+  static constexpr int kRawPieces = NVFP4 ? 5 : 4;                    // (4 code pieces and the scales / 4 pieces)
+  static constexpr int kRawSlotBytes = kG8Threads * kRawPieces * kRawPiece;
+  static constexpr int kRawSlots = F16 && INDEXCP_SCORE_G16_RAW ? (NVFP4 ? 5 : 3) : 0;
+  static constexpr bool kEarly = F16 && INDEXCP_SCORE_G16_EARLY;  // the expansion before the chains
+  static_assert(kStages >= (F16 ? 3 : 4), "INDEXCP_SCORE_G8_STAGES: at least 4; INDEXCP_SCORE_G16_STAGES: at least 3");
+};
+template <bool F16, bool NVFP4>
 constexpr int gemm8_smem_bytes() {
-  return 1024 /* alignment of the swizzled stages */ + kG8Stages * kG8StageBytes + (2 * kG8Stages + 2) * 8 /* mbarriers */ +
-         kG8Stages * 4 + (kPlanLocal + 2) * 4 + 8 /* alignment of the table */ + 256 * 8 /* the NVFP4 k_hat table */;
+  using S = G8Form<F16, NVFP4>;
+  return 1024 /* alignment of the swizzled stages */ + S::kStages * S::kStageBytes + S::kQBytes +
+         S::kRawSlots * S::kRawSlotBytes + (2 * S::kStages + 2) * 8 /* mbarriers */ + S::kStages * 4 +
+         (kPlanLocal + 2) * 4 + 8 /* alignment of the table */ + 256 * 8 /* the NVFP4 k_hat table */;
 }
+// cp.async of 8 (through L1) or 16 bytes (L2 only), its commit and its wait for all but the N newest
+// groups (one group per block of the fp32 form's raw ring)
+template <int N>
+__device__ __forceinline__ void cp_async_n(uint32_t dst, const void* src) {
+  if constexpr (N == 16) asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+  else asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(dst), "l"(src), "n"(N) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
 // 4 bytes global -> shared (cp.async, through L1), the row offsets as immediates of the instruction
 template <int DOFF, int SOFF>
@@ -108,17 +172,18 @@ __device__ __forceinline__ int32_t gemm8_bt(const ScoreArgs& a, const Geo& G, in
   return a.block_table[static_cast<int64_t>(b) * a.max_pages + lp];
 }
 
-// The rows of pair s (block-table entry `page`) that warp w (0..7) copies: rows 16 w .. 16 w + 15
-// of the block, contiguous in memory (R is a multiple of 16 and a block starts on a multiple of 128
-// of its page), from *src; false when the pair is not scored (past the request's historical
-// blocks, filtered out, or an invalid page id). Uniform over the CTA.
+// Row j of pair s (block-table entry `page`) at *src: for the copies, the first of the 16 rows of
+// warp w (j = 16 w), contiguous in memory (R is a multiple of 16 and a block starts on a multiple
+// of 128 of its page); for the fp32 form, the thread's own row. False when the pair is not scored
+// (past the request's historical blocks, filtered out, or an invalid page id): uniform over the
+// CTA.
 template <bool GATHER>
 __device__ __forceinline__ bool gemm8_rows(const ScoreArgs& a, const Geo& G, const ReqInfo& ri, int32_t s, int32_t page,
-                                           int w, int32_t* blk, const uint8_t** src) {
+                                           int j, int32_t* blk, const uint8_t** src) {
   if (GATHER) {
     if (s >= ri.max_local || page < 0 || page >= a.keys.num_pages) return false;
     *blk = s;
-    const int32_t u = ((s * kBlockTokens) & (G.P - 1)) + 16 * w;
+    const int32_t u = ((s * kBlockTokens) & (G.P - 1)) + j;
     const int32_t owner = u >> G.lgR, row = u & (G.R - 1);  // owner rank and local row of offset u
     *src = a.keys.base + ((static_cast<int64_t>(owner) * a.keys.num_pages + page) * G.R + row) * kHeadDim;
     return true;
@@ -132,7 +197,7 @@ __device__ __forceinline__ bool gemm8_rows(const ScoreArgs& a, const Geo& G, con
   if (a.filter_mod > 1 && bk % a.filter_mod != a.filter_res) return false;
   if (page < 0 || page >= a.keys.num_pages) return false;
   *blk = bk;
-  *src = a.keys.base + page * G.stride + static_cast<int64_t>(j0 + 16 * w) * G.rowb;
+  *src = a.keys.base + page * G.stride + static_cast<int64_t>(j0 + j) * G.rowb;
   return true;
 }
 
@@ -183,25 +248,101 @@ __device__ __forceinline__ void gemm8_expand_half(const uint2 (&rw)[4], uint64_t
   }
 }
 
-// The epilogue of one block: the maxima over the 128 keys of the thread's four query vectors (rows
-// g and g + 8 of its warp's 16 in m64 tiles 0 and 1: values 2 m + r), reduce-scattered over the
-// quad so that lane t4 ends with value t4 over all 4 lanes (3 shuffles), and written where the
-// block is historical for the vector's row. fmaxf drops NaN as fold_max does, and max is exact,
-// so the order of the reduction does not change the result.
-__device__ __forceinline__ void gemm8_epilogue(const float (&acc)[2][16][4], int t4, int32_t blk, float* out,
-                                               int64_t obase, int32_t olim) {
-  float v[4];
+// The fp32 form (F16): one 128-byte row of a 64-dimension half h of a stage (a key) or of the query
+// tile (a query vector) from its 8 logical 16-byte chunks: chunk c = 2 (s & 3) + pair holds the
+// fp16 pair `pair` of k-step s = 4 h + (c >> 1) of quad lanes t4 = 0..3 (ch[c][t4]: k slots
+// 8 pair + 2 t4, + 1 of the k-step, dims form_dim(s, t4, pair, 0..1)), stored at physical chunk
+// c ^ (row & 7). Keys and queries take the same places, so the k-step multiplies the dimensions
+// of the tile scorer's k-step in the same k slots (A and B swapped, as in the fp8_mma form).
+__device__ __forceinline__ void g16_store_row(const uint32_t (&ch)[8][4], uint32_t row_addr, uint32_t r7) {
 #pragma unroll
-  for (int m = 0; m < 2; ++m) {
-    float m0 = fmaxf(acc[m][0][0], acc[m][0][1]), m1 = fmaxf(acc[m][0][2], acc[m][0][3]);
+  for (int c = 0; c < 8; ++c)
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(row_addr + ((static_cast<uint32_t>(c) ^ r7) << 4)),
+                 "r"(ch[c][0]), "r"(ch[c][1]), "r"(ch[c][2]), "r"(ch[c][3])
+                 : "memory");
+}
+// E4M3 bytes (the gather's FP8 rows, an FP8 cache, the queries) into half h of a row:
+// x[t4] = bytes 32 t4 + 16 h .. + 15 of the row, whose word i (dims 32 t4 + 4 (4 h + i) .. + 3) is
+// k-step 4 h + i: its first pair (bytes 0, 1) goes to chunk 2 i, its second to 2 i + 1
+// (form_expand_fp8).
+__device__ __forceinline__ void g16_store_fp8(const uint4 (&x)[4], uint32_t row_addr, uint32_t r7) {
+  uint32_t ch[8][4];
 #pragma unroll
-    for (int j = 1; j < 16; ++j) {
-      m0 = fmaxf(m0, fmaxf(acc[m][j][0], acc[m][j][1]));
-      m1 = fmaxf(m1, fmaxf(acc[m][j][2], acc[m][j][3]));
-    }
-    v[2 * m] = m0;
-    v[2 * m + 1] = m1;
+  for (int t4 = 0; t4 < 4; ++t4) {
+    const uint32_t w[4] = {x[t4].x, x[t4].y, x[t4].z, x[t4].w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) form_expand_fp8(w[i], &ch[2 * i][t4], &ch[2 * i + 1][t4]);
   }
+  g16_store_row(ch, row_addr, r7);
+}
+// NVFP4 with E4M3 rounding into half h of a key row: rw[t4] = (code word 2 h + 4 t4, word 2 h + 1 +
+// 4 t4) of scale group h + 2 t4 (gemm8_expand_half's loads); word jj's fp16 pair p of
+// form_expand_e4m3 (k-step 4 h + 2 jj + (p >> 1), pair p & 1) goes to chunk 4 jj + p.
+__device__ __forceinline__ void g16_expand_half(const uint2 (&rw)[4], uint64_t scales, int h, const uint2* lut,
+                                                uint32_t row_addr, uint32_t r7) {
+  uint32_t ch[8][4];
+#pragma unroll
+  for (int t4 = 0; t4 < 4; ++t4) {
+    const uint32_t e = static_cast<uint32_t>(scales >> (8 * (h + 2 * t4))) & 0xffu;
+    const uint2 l = lut[e];
+    const uint32_t neg = (0u - (e >> 7)) & 0x88888888u;  // a negative scale flips the codes' signs
+    uint32_t v0[4], v1[4];
+    form_expand_e4m3(rw[t4].x ^ neg, l.x, l.y, v0);
+    form_expand_e4m3(rw[t4].y ^ neg, l.x, l.y, v1);
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      ch[p][t4] = v0[p];
+      ch[4 + p][t4] = v1[p];
+    }
+  }
+  g16_store_row(ch, row_addr, r7);
+}
+// 16 bytes of a query row; byte loads where q is not 16-byte aligned
+__device__ __forceinline__ uint4 g16_load16(const uint8_t* p, bool aligned) {
+  if (aligned) return *reinterpret_cast<const uint4*>(p);
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    w[i] = static_cast<uint32_t>(p[4 * i]) | static_cast<uint32_t>(p[4 * i + 1]) << 8 |
+           static_cast<uint32_t>(p[4 * i + 2]) << 16 | static_cast<uint32_t>(p[4 * i + 3]) << 24;
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// The epilogue of one block, in two parts. gemm8_block_max: the maxima over the thread's 32 columns
+// of m64 tile m (rows g, g + 8 of its warp's 16: values 2 m + r), as a tree (depth 5, not a chain
+// of 16: one warp per scheduler runs it, so its latency counts). gemm8_store: the four values
+// reduce-scattered over the quad so that lane t4 ends with value t4 over all 128 keys (3 shuffles),
+// written where the block is historical for the vector's row. fmaxf drops NaN as fold_max does, and
+// max is exact, so the order of the reduction does not change the result.
+__device__ __forceinline__ void gemm8_block_max(const float (&acc)[16][4], float* r0, float* r1) {
+  float x[16], y[16];
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    x[j] = fmaxf(acc[j][0], acc[j][1]);
+    y[j] = fmaxf(acc[j][2], acc[j][3]);
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    x[j] = fmaxf(x[j], x[j + 8]);
+    y[j] = fmaxf(y[j], y[j + 8]);
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    x[j] = fmaxf(x[j], x[j + 4]);
+    y[j] = fmaxf(y[j], y[j + 4]);
+  }
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    x[j] = fmaxf(x[j], x[j + 2]);
+    y[j] = fmaxf(y[j], y[j + 2]);
+  }
+  x[0] = fmaxf(x[0], x[1]);
+  y[0] = fmaxf(y[0], y[1]);
+  *r0 = x[0];
+  *r1 = y[0];
+}
+__device__ __forceinline__ void gemm8_store(const float (&v)[4], int t4, int32_t blk, float* out, int64_t obase,
+                                            int32_t olim) {
   const bool hi = t4 & 2, lo = t4 & 1;
   const float w0 = fmaxf(hi ? v[2] : v[0], __shfl_xor_sync(0xffffffffu, hi ? v[0] : v[2], 2));
   const float w1 = fmaxf(hi ? v[3] : v[1], __shfl_xor_sync(0xffffffffu, hi ? v[1] : v[3], 2));
@@ -221,23 +362,29 @@ __device__ __forceinline__ int64_t gemm8_slice_pairs(const ScoreArgs& a, int32_t
 }
 
 // NVFP4: the keys are an NVFP4 cache with E4M3 rounding and R >= 128 (not GATHER), expanded by the
-// threads into the stage (half a row each) instead of copied.
-template <bool GATHER, bool NVFP4>
+// threads into the stage (half a row each) instead of copied. F16: the fp32 form (G8Form): wgmma
+// m64n128k16 on fp16 operands, both in shared memory; every key passes through the threads (FP8
+// bytes converted, NVFP4 expanded: half a row each) and the queries are converted once per request.
+template <bool GATHER, bool NVFP4, bool F16 = false>
 __global__ void __launch_bounds__(kG8Threads, 1) gemm8_score_kernel(const ScoreArgs a) {
 #if INDEXCP_HAVE_WGMMA
+  using S = G8Form<F16, NVFP4>;
+  constexpr int kStages = S::kStages;
   extern __shared__ __align__(128) unsigned char g8_smem[];
   __shared__ typename cub::BlockScan<int32_t, kG8Threads>::TempStorage scan_tmp;
   uint8_t* stages = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(g8_smem) + 1023) & ~uintptr_t{1023});
-  uint64_t* full = reinterpret_cast<uint64_t*>(stages + kG8Stages * kG8StageBytes);  // [kG8Stages]
-  uint64_t* empty = full + kG8Stages;                                                 // [kG8Stages]
-  uint64_t* turn = empty + kG8Stages;  // [2]: warpgroup 0 / 1 has issued its chains of a block
-  int32_t* smeta = reinterpret_cast<int32_t*>(turn + 2);  // [kG8Stages]: the block of a stage
-  int32_t* splan = smeta + kG8Stages;                     // [kPlanLocal + 2]
+  uint8_t* qtile = stages + kStages * S::kStageBytes;  // F16: [2 halves][256 vectors][128 bytes]
+  uint8_t* rawring = qtile + S::kQBytes;               // F16: [kRawSlots][kRawPieces][256 threads][kRawPiece]
+  uint64_t* full = reinterpret_cast<uint64_t*>(rawring + S::kRawSlots * S::kRawSlotBytes);  // [kStages]
+  uint64_t* empty = full + kStages;                                   // [kStages]
+  uint64_t* turn = empty + kStages;  // [2]: warpgroup 0 / 1 has issued its chains of a block
+  int32_t* smeta = reinterpret_cast<int32_t*>(turn + 2);  // [kStages]: the block of a stage
+  int32_t* splan = smeta + kStages;                       // [kPlanLocal + 2]
   uint2* lut = reinterpret_cast<uint2*>((reinterpret_cast<uintptr_t>(splan + kPlanLocal + 2) + 7) & ~uintptr_t{7});  // [256] (NVFP4)
   if constexpr (NVFP4)
     for (int i = threadIdx.x; i < 256; i += kG8Threads) lut[i] = g_khat_lut[i];
   if (threadIdx.x == 0) {
-    for (int i = 0; i < kG8Stages; ++i) {
+    for (int i = 0; i < kStages; ++i) {
       mbar_init(&full[i], kG8Threads + 1);  // every thread's copies, and thread 0's block index
       mbar_init(&empty[i], kG8Threads);     // every thread's chains done
     }
@@ -303,8 +450,12 @@ __global__ void __launch_bounds__(kG8Threads, 1) gemm8_score_kernel(const ScoreA
   for (int i = 0; i < 8; ++i)
     lane_off[i] = static_cast<uint32_t>((16 * warp + i) * kHeadDim) +
                   ((static_cast<uint32_t>(lane & 7) ^ static_cast<uint32_t>(i)) << 4) + (static_cast<uint32_t>(lane >> 3) << 2);
-  const bool q_aligned = (reinterpret_cast<uintptr_t>(a.q) & 3u) == 0;
-  const uint32_t ring0 = smem_u32(stages);
+  // INDEXCP_SCORE_DEBUG's bits (ScoreArgs::debug) in a build with -DINDEXCP_SCORE_G8_DEBUG=1 only:
+  // the checks cost registers and time in the kernel that is measured
+  const int32_t dbg = INDEXCP_SCORE_G8_DEBUG ? a.debug : 0;
+  const bool q_aligned = (reinterpret_cast<uintptr_t>(a.q) & (F16 ? 15u : 3u)) == 0;
+  const uint32_t ring0 = smem_u32(stages), q0 = smem_u32(qtile);
+  const uint32_t raw0 = smem_u32(rawring) + threadIdx.x * S::kRawPiece;  // F16: this thread's piece 0 of slot 0
   // the cursors, over the requests: the next stage to fill and its phase, the next to multiply
   int32_t ist = 0, cst = 0;
   uint32_t iph = 0, cph = 0;
@@ -350,7 +501,29 @@ __global__ void __launch_bounds__(kG8Threads, 1) gemm8_score_kernel(const ScoreA
       // 16 in m64 tile m), raw E4M3 words of form8_dim: k-step s8 takes dims 32 t4 + 8 s8 + 0..3 (a0
       // row g, a1 row g + 8) and + 4..7 (a2, a3)
       const int32_t nw = n0 + 128 * wg;  // this warpgroup's first vector
-      uint32_t qa[2][4][4];
+      uint32_t qa[2][4][4];  // (fp8_mma)
+      if constexpr (F16) {  // the fp32 form: vector n0 + tid as fp16 into row tid of the query tile
+        __syncthreads();    // every thread's chains of the previous request are done (wg_wait0)
+        const int32_t v = n0 + static_cast<int32_t>(threadIdx.x);
+        uint4 x[2][4];
+  #pragma unroll
+        for (int h = 0; h < 2; ++h)
+  #pragma unroll
+          for (int t4q = 0; t4q < 4; ++t4q) x[h][t4q] = make_uint4(0u, 0u, 0u, 0u);  // (+0.0) past nvec
+        if (v < nvec) {
+          const int32_t i = v / a.nh, hh = v % a.nh;
+          const uint8_t* qv = a.q + ((static_cast<int64_t>(ri.row0) + i) * a.heads + a.h0 + hh) * kHeadDim;
+  #pragma unroll
+          for (int h = 0; h < 2; ++h)
+  #pragma unroll
+            for (int t4q = 0; t4q < 4; ++t4q) x[h][t4q] = g16_load16(qv + 32 * t4q + 16 * h, q_aligned);
+        }
+  #pragma unroll
+        for (int h = 0; h < 2; ++h)
+          g16_store_fp8(x[h], q0 + static_cast<uint32_t>(h * kG8Vectors * 128 + threadIdx.x * 128), threadIdx.x & 7u);
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stores, for wgmma (async proxy)
+        __syncthreads();
+      } else {
   #pragma unroll
       for (int m = 0; m < 2; ++m)
   #pragma unroll
@@ -375,6 +548,7 @@ __global__ void __launch_bounds__(kG8Threads, 1) gemm8_score_kernel(const ScoreA
               qa[m][s8][2 * half + r] = w;
             }
         }
+      }
       // the score this lane writes: value t4 of the epilogue, vector v(t4 >> 1, t4 & 1)
       int64_t obase = 0;
       int32_t olim = 0;
@@ -395,100 +569,207 @@ __global__ void __launch_bounds__(kG8Threads, 1) gemm8_score_kernel(const ScoreA
       // the next scored pair into stage ist, once both warpgroups are done with it: copied (FP8 keys)
       auto next_stage = [&]() {
         mbar_wait(&empty[ist], iph ^ 1u);  // (a fresh barrier: the phase before it counts as done)
-        return ring0 + static_cast<uint32_t>(ist * kG8StageBytes);
+        return ring0 + static_cast<uint32_t>(ist * S::kStageBytes);
       };
       auto published = [&](int32_t blk) {  // the stage's block index; the cursor moves on
         if (threadIdx.x == 0) {
           smeta[ist] = blk;
           mbar_arrive(&full[ist]);
         }
-        if (++ist == kG8Stages) {
+        if (++ist == kStages) {
           ist = 0;
           iph ^= 1u;
         }
         ++head;
       };
-      // NVFP4: or expanded from the raw codes and scales of this thread's half row (row tid & 127,
-      // half wg) in registers, loaded one pair ahead of the expansion (load_next)
-      const int xrow = threadIdx.x & 127;
-      uint2 rw[4];
-      uint64_t rsc = 0;
-      int32_t raw_blk = -1;
-      auto load_next = [&]() {
-        raw_blk = -1;
+      // the next scored pair from `next` on (uniform): its block and the source of its row j (the
+      // copies: 16 w; the threads' own rows: tid & 127), or for NVFP4 its page and first row there;
+      // false past s1
+      auto walk = [&](int j, int32_t* blk, const uint8_t** src, int32_t* j0) -> bool {
         while (next < s1) {
           const int32_t s = next, page = pend;
           ++next;
-          pend = next < s1 ? gemm8_bt<GATHER>(a, G, b, ri, next) : -1;
-          int32_t blk, j0;
-          const uint8_t* pgp;
-          if (!gemm8_page(a, G, ri, s, page, &blk, &pgp, &j0)) continue;
-          const uint8_t* rowp = pgp + static_cast<int64_t>(j0 + xrow) * kNvfp4DataBytesPerKey + 8 * wg;
+          pend = next < s1 ? gemm8_bt<GATHER>(a, G, b, ri, next) : -1;  // used by the next refill
+          if constexpr (NVFP4) {
+            if (gemm8_page(a, G, ri, s, page, blk, src, j0)) return true;
+          } else {
+            if (gemm8_rows<GATHER>(a, G, ri, s, page, j, blk, src)) return true;
+          }
+        }
+        return false;
+      };
+      // Keys through the threads: each expands (converts) half a row (row tid & 127, half wg) into
+      // the stage. fp8_mma (NVFP4): from registers loaded one pair ahead (load_next). fp32: from the
+      // thread's raw ring (raw_fill: kRawSlots pairs ahead, cp.async; rblk: their blocks, oldest first,
+      // -1 past the request's pairs; rslot: the slot of the oldest).
+      const int xrow = threadIdx.x & 127;
+      uint2 rw[4];       // NVFP4: code words 2 wg + 4 t4 (.x) and + 1 (.y)
+      uint64_t rsc = 0;  // NVFP4: the row's scale bytes
+      uint4 rx[4];       // F16, E4M3 keys: bytes 32 t4 + 16 wg .. + 15 of the row (g16_store_fp8)
+      int32_t raw_blk = -1;
+      int32_t rblk[S::kRawSlots > 0 ? S::kRawSlots : 1] = {};
+      int rslot = 0;
+      auto load_next = [&]() {  // the register path (fp8_mma NVFP4; fp32 without the raw ring)
+        int32_t blk, j0;
+        const uint8_t* src;
+        raw_blk = -1;
+        if (!walk(xrow, &blk, &src, &j0)) return;
+        raw_blk = blk;
+        if (dbg & 2) return;  // benchmarking aid: no key loads
+        if constexpr (NVFP4) {
+          const uint8_t* rowp = src + static_cast<int64_t>(j0 + xrow) * kNvfp4DataBytesPerKey + 8 * wg;
   #pragma unroll
           for (int k = 0; k < 4; ++k) rw[k] = *reinterpret_cast<const uint2*>(rowp + 16 * k);
-          rsc = *reinterpret_cast<const uint64_t*>(pgp + G.scale0 + static_cast<int64_t>(j0 + xrow) * kNvfp4ScalesPerKey);
-          raw_blk = blk;
-          return;
+          rsc = *reinterpret_cast<const uint64_t*>(src + G.scale0 + static_cast<int64_t>(j0 + xrow) * kNvfp4ScalesPerKey);
+        } else {
+  #pragma unroll
+          for (int k = 0; k < 4; ++k) rx[k] = *reinterpret_cast<const uint4*>(src + 32 * k + 16 * wg);
         }
       };
+      auto raw_fill = [&](int slot) -> int32_t {  // F16: the next pair's pieces into `slot` (one group)
+        int32_t blk = -1, j0 = 0;
+        const uint8_t* src;
+        if (walk(xrow, &blk, &src, &j0) && !(dbg & 2)) {
+          const uint32_t d = raw0 + static_cast<uint32_t>(slot * S::kRawSlotBytes);
+          constexpr uint32_t kStride = kG8Threads * S::kRawPiece;  // between a thread's pieces
+          if constexpr (NVFP4) {
+            const uint8_t* rowp = src + static_cast<int64_t>(j0 + xrow) * kNvfp4DataBytesPerKey + 8 * wg;
+  #pragma unroll
+            for (int k = 0; k < 4; ++k) cp_async_n<8>(d + k * kStride, rowp + 16 * k);
+            cp_async_n<8>(d + 4 * kStride, src + G.scale0 + static_cast<int64_t>(j0 + xrow) * kNvfp4ScalesPerKey);
+          } else {
+  #pragma unroll
+            for (int k = 0; k < 4; ++k) cp_async_n<16>(d + k * kStride, src + 32 * k + 16 * wg);
+          }
+        }
+        cp_async_commit();
+        return blk;
+      };
       auto issue = [&]() {
-        if constexpr (NVFP4) {
+        if constexpr (S::kRawSlots > 0) {
+          const int32_t blk = rblk[0];
+          if (!uniform(blk >= 0)) return;
+          cp_async_wait<S::kRawSlots - 1>();  // the oldest slot's copies (this thread's own) have landed
+          const uint32_t d = raw0 + static_cast<uint32_t>(rslot * S::kRawSlotBytes);
+          constexpr uint32_t kStride = kG8Threads * S::kRawPiece;
+          if constexpr (NVFP4) {
+  #pragma unroll
+            for (int k = 0; k < 4; ++k)
+              asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];" : "=r"(rw[k].x), "=r"(rw[k].y) : "r"(d + k * kStride) : "memory");
+            asm volatile("ld.shared.b64 %0, [%1];" : "=l"(rsc) : "r"(d + 4 * kStride) : "memory");
+          } else {
+  #pragma unroll
+            for (int k = 0; k < 4; ++k)
+              asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                           : "=r"(rx[k].x), "=r"(rx[k].y), "=r"(rx[k].z), "=r"(rx[k].w)
+                           : "r"(d + k * kStride)
+                           : "memory");
+          }
+          const uint32_t base = next_stage();
+          const uint32_t dst = base + static_cast<uint32_t>(wg * S::kHalfBytes + xrow * 128), r7 = xrow & 7;
+          if (!(dbg & 2)) {  // (benchmarking aid: no expansion; the stage keeps what it held)
+            if constexpr (NVFP4) g16_expand_half(rw, rsc, wg, lut, dst, r7);
+            else g16_store_fp8(rx, dst, r7);
+          }
+          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stores, for wgmma (async proxy)
+          mbar_arrive(&full[ist]);
+          published(blk);
+          // the slot's bytes are in the stage now: refill it with the pair kRawSlots on
+  #pragma unroll
+          for (int i = 0; i + 1 < S::kRawSlots; ++i) rblk[i] = rblk[i + 1];
+          rblk[S::kRawSlots - 1] = raw_fill(rslot);
+          rslot = rslot + 1 == S::kRawSlots ? 0 : rslot + 1;
+        } else if constexpr (NVFP4 || F16) {
           if (!uniform(raw_blk >= 0)) return;
           const uint32_t base = next_stage();
-          gemm8_expand_half(rw, rsc, wg, lut, base + static_cast<uint32_t>(xrow * kHeadDim), static_cast<uint32_t>(xrow & 7));
-          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stores, for wgmma (async proxy)
+          if (dbg & 2) {  // (benchmarking aid: no expansion)
+          } else if constexpr (!F16) {
+            gemm8_expand_half(rw, rsc, wg, lut, base + static_cast<uint32_t>(xrow * kHeadDim), xrow & 7);
+          } else {
+            const uint32_t dst = base + static_cast<uint32_t>(wg * S::kHalfBytes + xrow * 128), r7 = xrow & 7;
+            if constexpr (NVFP4) g16_expand_half(rw, rsc, wg, lut, dst, r7);
+            else g16_store_fp8(rx, dst, r7);
+          }
+          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
           mbar_arrive(&full[ist]);
           published(raw_blk);
           load_next();
         } else {
-          while (next < s1) {
-            const int32_t s = next, page = pend;
-            ++next;
-            pend = next < s1 ? gemm8_bt<GATHER>(a, G, b, ri, next) : -1;  // used by the next refill
-            int32_t blk;
-            const uint8_t* src;
-            if (!gemm8_rows<GATHER>(a, G, ri, s, page, warp, &blk, &src)) continue;
-            const uint32_t base = next_stage();
-            uint32_t dst[8];
+          int32_t blk, j0;
+          const uint8_t* src;
+          if (!walk(16 * warp, &blk, &src, &j0)) return;
+          const uint32_t base = next_stage();
+          uint32_t dst[8];
   #pragma unroll
-            for (int i = 0; i < 8; ++i) dst[i] = base + lane_off[i];
-            cp_async_run(dst, src + 4 * lane);
-            cp_async_arrive(&full[ist]);
-            published(blk);
-            return;
-          }
+          for (int i = 0; i < 8; ++i) dst[i] = base + lane_off[i];
+          cp_async_run(dst, src + 4 * lane);
+          cp_async_arrive(&full[ist]);
+          published(blk);
         }
       };
-      if constexpr (NVFP4) load_next();
+      if constexpr (S::kRawSlots > 0) {
+  #pragma unroll
+        for (int i = 0; i < S::kRawSlots; ++i) rblk[i] = raw_fill(i);
+        rslot = 0;
+      } else if constexpr (NVFP4 || F16) {
+        load_next();
+      }
   #pragma unroll 1
-      for (int i = 0; i < kG8Ahead; ++i) issue();
+      for (int i = 0; i < S::kAhead; ++i) issue();
       float acc[2][16][4];
   #pragma unroll 1
       for (int t = 0; t < uniform(head); ++t) {
+        if (S::kEarly) issue();  // the refill before this block's chains (whose issue may wait for the tensor cores)
         mbar_wait(&full[cst], cph);
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the copies, for wgmma (async proxy)
         const int32_t blk = smeta[cst];
-        const uint32_t sa = ring0 + static_cast<uint32_t>(cst * kG8StageBytes);
+        const uint32_t sa = ring0 + static_cast<uint32_t>(cst * S::kStageBytes);
         if (wg == 0 && chains > 0) mbar_wait(&turn[1], (chains - 1) & 1u);  // warpgroup 1 issued block c - 1
         if (wg == 1) mbar_wait(&turn[0], chains & 1u);                     // warpgroup 0 issued block c
         wg_fence();
+        if (dbg & 1) {  // benchmarking aid: no MMA (nor maxima)
+        } else if constexpr (F16) {  // k-step s: 32 bytes at 32 (s & 3) of half s >> 2 of both tiles
   #pragma unroll
-        for (int m = 0; m < 2; ++m)
+          for (int m = 0; m < 2; ++m)
   #pragma unroll
-          for (int s8 = 0; s8 < 4; ++s8) wgmma8_tile<16>(acc[m], qa[m][s8], sw128_desc(sa + 32 * s8), s8 > 0);
-        wg_commit();
+            for (int s = 0; s < 8; ++s)
+            {
+              wgmma16_ss(acc[m],
+                         sw128_desc(q0 + static_cast<uint32_t>((s >> 2) * kG8Vectors * 128 + (128 * wg + 64 * m) * 128 + 32 * (s & 3))),
+                         sw128_desc(sa + static_cast<uint32_t>((s >> 2) * S::kHalfBytes + 32 * (s & 3))), s > 0);
+              if (kG8Split && s == 7) wg_commit();
+            }
+        } else {
+  #pragma unroll
+          for (int m = 0; m < 2; ++m) {
+  #pragma unroll
+            for (int s8 = 0; s8 < 4; ++s8) wgmma8_tile<16>(acc[m], qa[m][s8], sw128_desc(sa + 32 * s8), s8 > 0);
+            if (kG8Split) wg_commit();
+          }
+        }
+        if (!kG8Split) wg_commit();
         mbar_arrive(&turn[wg]);
         ++chains;
-        issue();  // the refill (a block-table load, then the copies or the expansion) while the chains run
-        wg_wait0();
+        if (!S::kEarly) issue();  // the refill (a block-table load, then the copies or the expansion) while the chains run
+        float v[4] = {};
+        if (kG8Split) {  // tile 0's maxima while tile 1's chain runs
+          wg_wait<1>();
+          fence_acc<16>(acc[0]);
+          if (!(dbg & 5)) gemm8_block_max(acc[0], &v[0], &v[1]);
+        }
+        wg_wait<0>();
         fence_acc<16>(acc[0]);
         fence_acc<16>(acc[1]);
         mbar_arrive(&empty[cst]);
-        if (++cst == kG8Stages) {
+        if (++cst == kStages) {
           cst = 0;
           cph ^= 1u;
         }
-        gemm8_epilogue(acc, t4, blk, a.scores, obase, olim);
+        if (!(dbg & 5)) {  // (4: no maxima)
+          if (!kG8Split) gemm8_block_max(acc[0], &v[0], &v[1]);
+          gemm8_block_max(acc[1], &v[2], &v[3]);
+          gemm8_store(v, t4, blk, a.scores, obase, olim);
+        }
       }
     }
     if (!persist) break;

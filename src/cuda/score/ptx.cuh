@@ -113,6 +113,13 @@ __device__ __forceinline__ void wg_wait0() {
   asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #endif
 }
+// all but the N most recent wgmma groups of the warp have completed
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+#if INDEXCP_HAVE_WGMMA
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+#endif
+}
 // The accumulator operands of the m64n64 and m64n128 instructions (NT = 8, 16; both forms): D32 /
 // D64 bind d[nt][i] to %0 .. %31 / %0 .. %63 in order, and R32 / R64 are those register lists.
 #define INDEXCP_WG_D4(d, k) "+f"(d[k][0]), "+f"(d[k][1]), "+f"(d[k][2]), "+f"(d[k][3])
@@ -207,6 +214,17 @@ __device__ __forceinline__ void wgmma8_tile(float (&d)[NT][4], const uint32_t* a
                  : INDEXCP_WG_D64(d)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d));
   }
+#endif
+}
+// The GEMM-shaped scorer's fp32 form (gemm8.cuh, F16): D (+)= A x B for m64n128k16 with both
+// operands fp16 in shared memory (A = 64 query vectors, B = 128 keys, both K-major in the 128-byte
+// swizzle: sw128_desc), fp32 accumulators in the layout of wgmma_tile<16>.
+__device__ __forceinline__ void wgmma16_ss(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+#if INDEXCP_HAVE_WGMMA
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " INDEXCP_WG_R64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
+               : INDEXCP_WG_D64(d)
+               : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 #endif
 }
 template <int NT>

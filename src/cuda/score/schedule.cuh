@@ -56,7 +56,9 @@ struct ScoreArgs {
   const int32_t* plan;  // [num_requests + 1] prefix sums of work items (pairs), from plan_kernel
   int32_t plan_local;   // 1: every CTA computes the plan into its shared memory (num_requests <=
                         // kPlanLocal), and plan_kernel is not launched
-  int32_t debug;        // benchmarking aid (INDEXCP_SCORE_DEBUG): 1 = no arithmetic, 2 = no loads
+  int32_t debug;        // benchmarking aid (INDEXCP_SCORE_DEBUG): 1 = no arithmetic, 2 = no loads (gemm8_score_kernel,
+                        // built with INDEXCP_SCORE_G8_DEBUG=1: no key loads or expansion where keys pass through
+                        // the threads), 4 = no block maxima (gemm8)
   uint64_t wg_desc_bits;  // the fixed fields of the wgmma B descriptor (wg_desc_fixed_bits())
   int32_t g8_slices;      // gemm8_score_kernel: > 0, the query slices of its persistent grid; 0: grid y = slices
 };
