@@ -17,11 +17,14 @@
 #               assignments of B_ENV added (e.g. B_ENV="INDEXCP_SCORE_MAX_NT=8"), alternating, AB_ROUNDS
 #               (2) times, in the precision modes of PRECS ("fp32 fp8_mma"); the bench's scorer lines
 #               go into summary.txt as each run ends
-#   prefill-variants  builds of compile-time variants, then `bench prefill` of each against the
-#               default build: PREFILL_VARIANTS="name=-DA=1,-DB=0 ..." (flags comma-separated), each
-#               built in build-<name> with CMAKE_CUDA_FLAGS set to its flags (in parallel, VJOBS jobs
-#               each); then AB_ROUNDS rounds over PRECS ("fp32") of the default build ($BUILD_DIR),
-#               the default with B_ENV (if set) and every variant; the scorer lines go to summary.txt
+#   prefill-variants  builds of compile-time variants, their tests, then `bench prefill` of each
+#               against the default build: PREFILL_VARIANTS="name=-DA=1,-DB=0 ..." (flags
+#               comma-separated), each built in build-<name> (indexcp_cli, test_gpu) with
+#               CMAKE_CUDA_FLAGS set to its flags (in parallel, VJOBS jobs each); each variant's
+#               test_gpu runs VARIANT_TESTS ("GpuFp8Mma.GemmScorer*") and a variant that fails is not
+#               benchmarked; then AB_ROUNDS rounds over PRECS ("fp32") of the default build
+#               ($BUILD_DIR) and every variant, all with VARIANT_ENV ("INDEXCP_SCORE_GEMM16=1"), and
+#               of the default build with B_ENV alone (if set); the scorer lines go to summary.txt
 # Environment: INDEXCP_SHARED_DIR (default ./shared), JOBS (16), BUILD_DIR (build-dev),
 #              INDEXCP_GIT_REV (stored in the records), BENCH_ARGS (extra args for every bench).
 set -uo pipefail
@@ -250,25 +253,32 @@ do_prefill_ab() {
 
 do_prefill_variants() {
   [ -n "${PREFILL_VARIANTS:-}" ] || { log "prefill-variants: PREFILL_VARIANTS is empty"; return 2; }
-  local v n f r prec
+  local v n f r prec ok=""
+  local venv=${VARIANT_ENV-INDEXCP_SCORE_GEMM16=1}
   for v in $PREFILL_VARIANTS; do
     n=${v%%=*}
     f=${v#*=}
     f=${f//,/ }
     ( { cmake -S . -B "build-$n" -G Ninja -DINDEXCP_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a -DCMAKE_BUILD_TYPE=Release \
           -DINDEXCP_SHARED_DIR="$INDEXCP_SHARED_DIR" "-DCMAKE_CUDA_FLAGS=$f" &&
-        timeout "${BUILD_TIMEOUT:-420}" ninja -C "build-$n" -j "${VJOBS:-5}" indexcp_cli; } > "$OUT/build-$n.log" 2>&1
+        timeout "${BUILD_TIMEOUT:-420}" ninja -C "build-$n" -j "${VJOBS:-5}" indexcp_cli test_gpu; } > "$OUT/build-$n.log" 2>&1
       log "build-$n ($f) rc=$?" ) &
   done
   wait
+  for v in $PREFILL_VARIANTS; do
+    n=${v%%=*}
+    (set -f; [ -n "$venv" ] && export $venv
+     timeout "${TEST_TIMEOUT:-300}" "build-$n/tests/test_gpu" --gtest_filter="${VARIANT_TESTS:-GpuFp8Mma.GemmScorer*}") \
+      > "$OUT/test-$n.log" 2>&1
+    local rc=$?
+    log "variant $n tests rc=$rc: $(grep -E '^\[  (PASSED|FAILED)  \]' "$OUT/test-$n.log" | tr '\n' ' ')"
+    [ $rc -eq 0 ] && ok="$ok $n"
+  done
   for r in $(seq 1 "${AB_ROUNDS:-2}"); do
     for prec in ${PRECS:-fp32}; do
-      variant_run "prefill-default-$prec-$r" "$BUILD_DIR" "" "$prec"
+      variant_run "prefill-default-$prec-$r" "$BUILD_DIR" "$venv" "$prec"
       [ -n "${B_ENV:-}" ] && variant_run "prefill-benv-$prec-$r" "$BUILD_DIR" "$B_ENV" "$prec"
-      for v in $PREFILL_VARIANTS; do
-        n=${v%%=*}
-        variant_run "prefill-$n-$prec-$r" "build-$n" "" "$prec"
-      done
+      for n in $ok; do variant_run "prefill-$n-$prec-$r" "build-$n" "$venv" "$prec"; done
     done
   done
 }

@@ -46,12 +46,13 @@ const std::vector<Knob>& knob_table() {
        "rows per page) with the GEMM-shaped kernel (256 vectors per CTA, keys copied or expanded into the wgmma "
        "operand, src/cuda/score/gemm8.cuh), 0 keeps the tile scorer (the same bits); unset or another value: 1 (an "
        "experiment knob, bench/NOTES.md)."},
-      {"INDEXCP_SCORE_GEMM16", K::kEnv, "1", "library (CUDA)",
+      {"INDEXCP_SCORE_GEMM16", K::kEnv, "0", "library (CUDA)",
        "0 or 1. indexer_score_precision fp32 on compute capability 9.0, requests with more than 128 query vectors "
        "(rows x heads): 1 scores E4M3 keys (the prefill gather's FP8 rows; FP8 caches and NVFP4 caches with "
        "indexer_k_rounding e4m3, of at least 128 rows per page) with the GEMM-shaped kernel's fp32 form (256 vectors "
-       "per CTA, keys and queries converted to fp16 in shared memory, src/cuda/score/gemm8.cuh), 0 keeps the tile "
-       "scorer (the same bits); unset or another value: 1 (an experiment knob, bench/NOTES.md)."},
+       "per CTA, keys and queries converted to fp16 in shared memory, src/cuda/score/gemm8.cuh; the tile scorer's "
+       "bits), 0 keeps the tile scorer; unset or another value: 0. Opt-in: the committed form has not yet run on a "
+       "GPU (an experiment knob, bench/NOTES.md v20)."},
       {"INDEXCP_SCORE_G8_PERSISTENT", K::kEnv, "1", "library (CUDA)",
        "0 or 1. 1: the GEMM-shaped scorer (both modes) runs one CTA per multiprocessor, each taking an equal share of all "
        "query slices' pairs (where every CTA computes the plan, up to 65,536 slices x requests); 0: a grid of CTAs per "
@@ -123,13 +124,14 @@ const std::vector<Knob>& knob_table() {
        "minimum CTAs per multiprocessor of the scorer at 64 query vectors per CTA (NT = 8; 2 caps it at 128 registers)."},
       {"INDEXCP_BUILD_SM90A", K::kMacro, "set by CMake", "build",
        "1 when CMAKE_CUDA_ARCHITECTURES holds 90a (the default): the build has the sm_90a code of the GEMM-shaped "
-       "fp8_mma scorer, which the launcher may then pick (INDEXCP_HAVE_SM90A_CODE in the top-level CMakeLists.txt; set for indexcp_cuda and test_gpu)."},
+       "scorer (both precision modes), which the launcher may then pick (INDEXCP_HAVE_SM90A_CODE in the top-level CMakeLists.txt; set for indexcp_cuda and test_gpu)."},
       {"INDEXCP_SCORE_G8_STAGES", K::kMacro, "12", "build",
        "16 KiB key stages of the GEMM-shaped fp8_mma scorer's ring, which both warpgroups read (at least 4; "
        "stages - 2 blocks in flight)."},
       {"INDEXCP_SCORE_G16_STAGES", K::kMacro, "3", "build",
-       "32 KiB fp16 key stages of the GEMM-shaped scorer's ring in its fp32 form (at least 3; 3 is the most that fits "
-       "beside its 64 KiB query tile and its raw ring of cp.async copies; stages - 2 blocks in flight)."},
+       "32 KiB fp16 key stages of the GEMM-shaped scorer's ring in its fp32 form (at least 3; stages - 2 blocks in "
+       "flight); unset: 3 with INDEXCP_SCORE_G16_RAW=1 (the most that fits beside the 64 KiB query tile and the raw "
+       "ring), 4 with INDEXCP_SCORE_G16_RAW=0."},
       {"INDEXCP_SCORE_G16_RAW", K::kMacro, "1", "build",
        "1: the GEMM-shaped scorer's fp32 form copies each thread's raw key bytes several blocks ahead into a ring in "
        "shared memory (cp.async) and keeps 3 fp16 stages; 0: one block ahead in registers, 4 stages (an experiment "

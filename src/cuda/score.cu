@@ -33,7 +33,7 @@
 // (score/gemm8.cuh: 256 vectors per CTA, keys in the wgmma B operand, queries as A; fp8_mma: FP8 keys
 // copied as they are, NVFP4 keys expanded; fp32 ("gemm16"): keys and queries converted to fp16 in
 // shared memory; the same products in the same k order, so the same bits).
-// INDEXCP_SCORE_GEMM8=0 / INDEXCP_SCORE_GEMM16=0 keep the tiles.
+// INDEXCP_SCORE_GEMM8=0 keeps the tiles in fp8_mma; the fp32 form is opt-in (INDEXCP_SCORE_GEMM16=1).
 #include <cuda_fp16.h>
 
 #include <cub/block/block_scan.cuh>
@@ -455,7 +455,7 @@ void launch_t(const ScoreArgs& a, dim3 grid, cudaStream_t stream) {
   INDEXCP_CUDA_LAUNCH_CHECK("score kernel launch");
 }
 
-// The GEMM-shaped fp8_mma scorer of E4M3 keys (score/gemm8.cuh): 256 query vectors per CTA, one
+// The GEMM-shaped scorer of E4M3 keys (score/gemm8.cuh, both modes): 256 query vectors per CTA, one
 // CTA per multiprocessor. Without the persistent grid (gemm8_persistent), CTAs along x share each
 // slice's pairs as in grid_x, but their number is chosen for whole waves: the fewest from ceil(2 x
 // resident / slices) up whose CTAs fill their waves to at least 90% on average (else the best fill
@@ -492,7 +492,7 @@ bool gemm8_persistent(const ScoreArgs& a, int64_t gy) {
 template <bool GATHER, bool NVFP4, bool F16>
 void launch_gemm8(const ScoreArgs& a0, int64_t nvec_max, cudaStream_t stream) {
   constexpr int smem = gemm8_smem_bytes<F16, NVFP4>();
-  static_assert(smem <= 227 * 1024, "shared memory");
+  static_assert(smem + 4096 <= 227 * 1024, "shared memory: the dynamic part and up to 4 KiB of static (cub's scans)");
   const int64_t gy = ceil_div(nvec_max, static_cast<int64_t>(kG8Vectors));
   auto k = gemm8_score_kernel<GATHER, NVFP4, F16>;
   check(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
@@ -517,17 +517,22 @@ void launch_gemm8(const ScoreArgs& a0, int64_t nvec_max, cudaStream_t stream) {
   INDEXCP_CUDA_LAUNCH_CHECK("gemm8 score kernel launch");
 }
 
-// Whether the GEMM-shaped scorer takes the E4M3 keys of a launch in its mode (m8: fp8_mma): the knob
-// INDEXCP_SCORE_GEMM8 (fp8_mma) or INDEXCP_SCORE_GEMM16 (fp32) at 0 keeps the tile scorer, the same
-// bits. Only where its code exists: a build with an sm_90a cubin and wgmma (INDEXCP_BUILD_SM90A from
+// Whether the GEMM-shaped scorer takes the E4M3 keys of a launch in its mode (m8: fp8_mma). fp8_mma:
+// unless INDEXCP_SCORE_GEMM8 is 0. fp32: only where INDEXCP_SCORE_GEMM16 is 1 (opt-in until the
+// committed form has run on a GPU: bench/NOTES.md v20). Either keeps the tile scorer's bits. Only where its code exists: a build with an sm_90a cubin and wgmma (INDEXCP_BUILD_SM90A from
 // src/cuda/CMakeLists.txt, INDEXCP_SCORE_WGMMA), run on compute capability 9.0.
 #ifndef INDEXCP_BUILD_SM90A
 #define INDEXCP_BUILD_SM90A 0
 #endif
 bool gemm8_enabled(bool m8) {
   if (!INDEXCP_BUILD_SM90A || !INDEXCP_SCORE_WGMMA) return false;
-  if (const char* e = m8 ? ::indexcp::detail::knob_env("INDEXCP_SCORE_GEMM8") : ::indexcp::detail::knob_env("INDEXCP_SCORE_GEMM16"))
-    if (std::strcmp(e, "0") == 0) return false;
+  if (m8) {
+    if (const char* e = ::indexcp::detail::knob_env("INDEXCP_SCORE_GEMM8"))
+      if (std::strcmp(e, "0") == 0) return false;
+  } else {
+    const char* e = ::indexcp::detail::knob_env("INDEXCP_SCORE_GEMM16");
+    if (!(e && std::strcmp(e, "1") == 0)) return false;
+  }
   int dev = 0, major = 0, minor = 0;
   check(cudaGetDevice(&dev), "cudaGetDevice");
   check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "cudaDeviceGetAttribute");

@@ -3,18 +3,21 @@
 // prefill gather's FP8 rows, an FP8 cache with at least 128 rows per page) go from global memory
 // straight into the wgmma B operand, with no expansion and no register staging; NVFP4 keys with
 // E4M3 rounding (R >= 128) are expanded into it by the threads instead. fp32 ("gemm16", template
-// flag F16, below the fp8_mma description): the same shape on fp16 operands. Private to score.cu
+// flag F16, opted into with INDEXCP_SCORE_GEMM16=1; its paragraph is the last): the same shape on
+// fp16 operands. Private to score.cu
 // (src/cuda/score.cu has the overview).
 //
-// Shape: 256 threads = two warpgroups; the CTA holds 256 query vectors of its slice, 128 per
+// Shape (the fp8_mma form; the fp32 form differs as its paragraph at the end says): 256 threads =
+// two warpgroups; the CTA holds 256 query vectors of its slice, 128 per
 // warpgroup, as the A operand in registers (two m64 tiles of raw E4M3 bytes per warpgroup, loaded
 // once per request: 32 registers). A stage is one selection block: 128 keys x 128 bytes (16 KiB) in
 // the 128-byte-swizzled K-major layout, read by both warpgroups: each multiplies it with two chains
 // of 4 wgmma m64n128k32 (one per m64 tile), so a key byte copied from L2 serves 256 query vectors
 // (the 128-vector version of session 18 read every key from L2 once per 128 vectors, about 3.3
 // TB/s at its speed: bench/NOTES.md v19). The block maximum of a query vector is then a maximum over
-// the 128 accumulator columns of its row: 31 fmax in the thread and a reduce-scatter over the quad
-// (no per-block maxima held across tiles). The warpgroups take turns at issuing their chains of a
+// the 128 accumulator columns of its row: 31 fmax in the thread and a reduce-scatter over the quad.
+// The two chains are two wgmma commit groups, so tile 0's maxima are taken while tile 1's chain runs
+// (INDEXCP_SCORE_G8_SPLIT; no maxima are held beyond the block). The warpgroups take turns at issuing their chains of a
 // block (two mbarriers of 128 arrivals each: warpgroup 0 issues block c after warpgroup 1 issued
 // block c - 1, warpgroup 1 after warpgroup 0 issued block c), so the tensor cores run one
 // warpgroup's chains while the other takes its maxima ("ping-pong" on a shared stage). Neither
@@ -31,7 +34,7 @@
 // GpuFp8Mma.GemmScorerEqualsTheTileScorer).
 //
 // Pipeline: one ring of G8Form::kStages stages shared by the warpgroups, kStages - 2 blocks in flight,
-// two mbarriers per stage. Every warp copies 16 rows of a block (warp w: rows 16 w .. 16 w + 15, 4
+// two mbarriers per stage. FP8 keys in fp8_mma: every warp copies 16 rows of a block (warp w: rows 16 w .. 16 w + 15, 4
 // bytes per lane per row); every thread arrives on the stage's `full` barrier when its copies land
 // (cp.async.mbarrier.arrive.noinc),
 // or, for NVFP4 keys (E4M3 rounding, R >= 128), expands half a row into it (gemm8_expand_half),
@@ -45,7 +48,7 @@
 // in the 128-byte swizzle (a 256-byte row is two 128-byte halves of 64 dimensions, 16 KiB per half
 // of a stage): the CTA's 256 query vectors are converted from E4M3 once per request (64 KiB), and
 // every key passes through the threads: FP8 bytes converted (cvt.rn.f16x2.e4m3x2), NVFP4 codes
-// expanded (form_expand_e4m3), half a row per thread, into a stage of 3 (32 KiB each). The raw key
+// expanded (form_expand_e4m3), half a row per thread, into a ring of 3 stages (32 KiB each). The raw key
 // bytes come from a ring of the thread's own in shared memory, filled by cp.async 3 (FP8) or 5
 // (NVFP4) blocks ahead (one commit group per block, cp.async.wait_group); a thread expands its half
 // row of the next block after it has issued its chains of a block, as the NVFP4 fp8_mma form does
@@ -154,7 +157,7 @@ __device__ __forceinline__ int32_t uniform(int32_t x) { return __reduce_max_sync
 __device__ __forceinline__ void cp_async_arrive(uint64_t* bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_u32(bar)) : "memory");
 }
-// The B descriptor of a K-major tile in the 128-byte swizzle (PTX ISA, "Matrix Descriptor
+// The descriptor of a K-major tile in the 128-byte swizzle (B, the keys; in the fp32 form A too) (PTX ISA, "Matrix Descriptor
 // Format"): start address (the stage, 1024-aligned, plus 32 bytes per k-step), LBO unused (1), SBO
 // = 1024 bytes between groups of 8 rows, layout type 1 (128B swizzle) in bits 62-63.
 __device__ __forceinline__ uint64_t sw128_desc(uint32_t saddr) {
@@ -645,6 +648,22 @@ __global__ void __launch_bounds__(kG8Threads, 1) gemm8_score_kernel(const ScoreA
         cp_async_commit();
         return blk;
       };
+      // this thread's half row of block blk, in registers (rw / rsc or rx), expanded (converted) into
+      // the next stage, fenced for the async proxy and arrived on the stage's `full` barrier
+      auto fill_stage = [&](int32_t blk) {
+        const uint32_t base = next_stage();
+        if (dbg & 2) {  // (benchmarking aid: no expansion; the stage keeps what it held)
+        } else if constexpr (!F16) {
+          gemm8_expand_half(rw, rsc, wg, lut, base + static_cast<uint32_t>(xrow * kHeadDim), xrow & 7);
+        } else {
+          const uint32_t dst = base + static_cast<uint32_t>(wg * S::kHalfBytes + xrow * 128), r7 = xrow & 7;
+          if constexpr (NVFP4) g16_expand_half(rw, rsc, wg, lut, dst, r7);
+          else g16_store_fp8(rx, dst, r7);
+        }
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stores, for wgmma (async proxy)
+        mbar_arrive(&full[ist]);
+        published(blk);
+      };
       auto issue = [&]() {
         if constexpr (S::kRawSlots > 0) {
           const int32_t blk = rblk[0];
@@ -665,15 +684,7 @@ __global__ void __launch_bounds__(kG8Threads, 1) gemm8_score_kernel(const ScoreA
                            : "r"(d + k * kStride)
                            : "memory");
           }
-          const uint32_t base = next_stage();
-          const uint32_t dst = base + static_cast<uint32_t>(wg * S::kHalfBytes + xrow * 128), r7 = xrow & 7;
-          if (!(dbg & 2)) {  // (benchmarking aid: no expansion; the stage keeps what it held)
-            if constexpr (NVFP4) g16_expand_half(rw, rsc, wg, lut, dst, r7);
-            else g16_store_fp8(rx, dst, r7);
-          }
-          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stores, for wgmma (async proxy)
-          mbar_arrive(&full[ist]);
-          published(blk);
+          fill_stage(blk);
           // the slot's bytes are in the stage now: refill it with the pair kRawSlots on
   #pragma unroll
           for (int i = 0; i + 1 < S::kRawSlots; ++i) rblk[i] = rblk[i + 1];
@@ -681,18 +692,7 @@ __global__ void __launch_bounds__(kG8Threads, 1) gemm8_score_kernel(const ScoreA
           rslot = rslot + 1 == S::kRawSlots ? 0 : rslot + 1;
         } else if constexpr (NVFP4 || F16) {
           if (!uniform(raw_blk >= 0)) return;
-          const uint32_t base = next_stage();
-          if (dbg & 2) {  // (benchmarking aid: no expansion)
-          } else if constexpr (!F16) {
-            gemm8_expand_half(rw, rsc, wg, lut, base + static_cast<uint32_t>(xrow * kHeadDim), xrow & 7);
-          } else {
-            const uint32_t dst = base + static_cast<uint32_t>(wg * S::kHalfBytes + xrow * 128), r7 = xrow & 7;
-            if constexpr (NVFP4) g16_expand_half(rw, rsc, wg, lut, dst, r7);
-            else g16_store_fp8(rx, dst, r7);
-          }
-          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-          mbar_arrive(&full[ist]);
-          published(raw_blk);
+          fill_stage(raw_blk);
           load_next();
         } else {
           int32_t blk, j0;
