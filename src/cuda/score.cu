@@ -519,7 +519,8 @@ void launch_gemm8(const ScoreArgs& a0, int64_t nvec_max, cudaStream_t stream) {
 
 // Whether the GEMM-shaped scorer takes the E4M3 keys of a launch in its mode (m8: fp8_mma). fp8_mma:
 // unless INDEXCP_SCORE_GEMM8 is 0. fp32: only where INDEXCP_SCORE_GEMM16 is 1 (opt-in until the
-// committed form has run on a GPU: bench/NOTES.md v20). Either keeps the tile scorer's bits. Only where its code exists: a build with an sm_90a cubin and wgmma (INDEXCP_BUILD_SM90A from
+// committed form has run on a GPU: bench/NOTES.md v20). Either keeps the tile scorer's bits. Only
+// where its code exists: a build with an sm_90a cubin and wgmma (INDEXCP_BUILD_SM90A from
 // src/cuda/CMakeLists.txt, INDEXCP_SCORE_WGMMA), run on compute capability 9.0.
 #ifndef INDEXCP_BUILD_SM90A
 #define INDEXCP_BUILD_SM90A 0
