@@ -221,6 +221,15 @@ __device__ __forceinline__ bool gemm8_page(const ScoreArgs& a, const Geo& G, con
   return true;
 }
 
+// NVFP4 with E4M3 rounding: the k_hat table entry of scale byte g of `scales` and the mask that
+// flips every code's sign where the scale is negative (as fix_negative_scales does for the tile
+// scorer)
+__device__ __forceinline__ void g8_scale_entry(uint64_t scales, int g, const uint2* lut, uint2* l, uint32_t* neg) {
+  const uint32_t e = static_cast<uint32_t>(scales >> (8 * g)) & 0xffu;
+  *l = lut[e];
+  *neg = (0u - (e >> 7)) & 0x88888888u;
+}
+
 // NVFP4 with E4M3 rounding: half h of one key row (8 of its 16 code words, 4 of its 8 scale bytes)
 // expanded to its signed E4M3 bytes (form_khat_bytes, the table of the scale; a negative scale flips
 // the codes' signs, as fix_negative_scales does for the tile scorer) and stored as swizzled 16-byte
@@ -234,9 +243,9 @@ __device__ __forceinline__ void gemm8_expand_half(const uint2 (&rw)[4], uint64_t
   uint32_t lo[2][4], hi[2][4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-    const uint32_t e = static_cast<uint32_t>(scales >> (8 * (h + 2 * k))) & 0xffu;
-    const uint2 l = lut[e];
-    const uint32_t neg = (0u - (e >> 7)) & 0x88888888u;
+    uint2 l;
+    uint32_t neg;
+    g8_scale_entry(scales, h + 2 * k, lut, &l, &neg);
     form_khat_bytes(rw[k].x ^ neg, l.x, l.y, &lo[0][k], &hi[0][k]);
     form_khat_bytes(rw[k].y ^ neg, l.x, l.y, &lo[1][k], &hi[1][k]);
   }
@@ -286,9 +295,9 @@ __device__ __forceinline__ void g16_expand_half(const uint2 (&rw)[4], uint64_t s
   uint32_t ch[8][4];
 #pragma unroll
   for (int t4 = 0; t4 < 4; ++t4) {
-    const uint32_t e = static_cast<uint32_t>(scales >> (8 * (h + 2 * t4))) & 0xffu;
-    const uint2 l = lut[e];
-    const uint32_t neg = (0u - (e >> 7)) & 0x88888888u;  // a negative scale flips the codes' signs
+    uint2 l;
+    uint32_t neg;
+    g8_scale_entry(scales, h + 2 * t4, lut, &l, &neg);
     uint32_t v0[4], v1[4];
     form_expand_e4m3(rw[t4].x ^ neg, l.x, l.y, v0);
     form_expand_e4m3(rw[t4].y ^ neg, l.x, l.y, v1);
@@ -300,15 +309,15 @@ __device__ __forceinline__ void g16_expand_half(const uint2 (&rw)[4], uint64_t s
   }
   g16_store_row(ch, row_addr, r7);
 }
-// 16 bytes of a query row; byte loads where q is not 16-byte aligned
+// 4 bytes of a query row as one word (byte loads where q is not aligned for the word), and 16
+__device__ __forceinline__ uint32_t g8_q_word(const uint8_t* p, bool aligned) {
+  return aligned ? *reinterpret_cast<const uint32_t*>(p)
+                 : static_cast<uint32_t>(p[0]) | static_cast<uint32_t>(p[1]) << 8 | static_cast<uint32_t>(p[2]) << 16 |
+                       static_cast<uint32_t>(p[3]) << 24;
+}
 __device__ __forceinline__ uint4 g16_load16(const uint8_t* p, bool aligned) {
   if (aligned) return *reinterpret_cast<const uint4*>(p);
-  uint32_t w[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-    w[i] = static_cast<uint32_t>(p[4 * i]) | static_cast<uint32_t>(p[4 * i + 1]) << 8 |
-           static_cast<uint32_t>(p[4 * i + 2]) << 16 | static_cast<uint32_t>(p[4 * i + 3]) << 24;
-  return make_uint4(w[0], w[1], w[2], w[3]);
+  return make_uint4(g8_q_word(p, false), g8_q_word(p + 4, false), g8_q_word(p + 8, false), g8_q_word(p + 12, false));
 }
 
 // The epilogue of one block, in two parts. gemm8_block_max: the maxima over the thread's 32 columns
@@ -544,9 +553,7 @@ __global__ void __launch_bounds__(kG8Threads, 1) gemm8_score_kernel(const ScoreA
               uint32_t w = 0u;  // (= +0.0 in E4M3) for vectors past nvec
               if (qv != nullptr) {
                 const uint8_t* p = qv + 8 * s8 + 4 * half;
-                w = q_aligned ? *reinterpret_cast<const uint32_t*>(p)
-                              : static_cast<uint32_t>(p[0]) | static_cast<uint32_t>(p[1]) << 8 |
-                                    static_cast<uint32_t>(p[2]) << 16 | static_cast<uint32_t>(p[3]) << 24;
+                w = g8_q_word(p, q_aligned);
               }
               qa[m][s8][2 * half + r] = w;
             }
