@@ -235,17 +235,11 @@ do_plan() {
 # scorer lines as it ends, so a call cut off at the device's limit still brings them back.
 do_prefill_ab() {
   [ -n "${B_ENV:-}" ] || { log "prefill-ab: B_ENV is empty, so B would run as A"; return 2; }
-  local r prec v n
+  local r prec v
   for r in $(seq 1 "${AB_ROUNDS:-2}"); do
     for prec in ${PRECS:-fp32 fp8_mma}; do
       for v in $([ $((r % 2)) -eq 1 ] && echo A B || echo B A); do
-        n=$(cat "$OUT/bench.log" 2>/dev/null | wc -l)
-        if [ $v = B ]; then
-          (set -f; export $B_ENV; bench "prefill-$v-$prec-$r" prefill -q --replays 20 --repeats 1 --score-precision $prec)
-        else
-          bench "prefill-$v-$prec-$r" prefill -q --replays 20 --repeats 1 --score-precision $prec
-        fi
-        tail -n +$((n + 1)) "$OUT/bench.log" | grep -E '(prefill|gather) scorer' | tee -a "$OUT/summary.txt"
+        prefill_run "prefill-$v-$prec-$r" "$BUILD_DIR" "$([ $v = B ] && echo "$B_ENV")" "$prec"
       done
     done
   done
@@ -276,13 +270,13 @@ do_prefill_variants() {
   done
   for r in $(seq 1 "${AB_ROUNDS:-2}"); do
     for prec in ${PRECS:-fp32}; do
-      variant_run "prefill-default-$prec-$r" "$BUILD_DIR" "$venv" "$prec"
-      [ -n "${B_ENV:-}" ] && variant_run "prefill-benv-$prec-$r" "$BUILD_DIR" "$B_ENV" "$prec"
-      for n in $ok; do variant_run "prefill-$n-$prec-$r" "build-$n" "$venv" "$prec"; done
+      prefill_run "prefill-default-$prec-$r" "$BUILD_DIR" "$venv" "$prec"
+      [ -n "${B_ENV:-}" ] && prefill_run "prefill-benv-$prec-$r" "$BUILD_DIR" "$B_ENV" "$prec"
+      for n in $ok; do prefill_run "prefill-$n-$prec-$r" "build-$n" "$venv" "$prec"; done
     done
   done
 }
-variant_run() {  # NAME BUILD_DIR ENV PRECISION: one `bench prefill` run of that build
+prefill_run() {  # NAME BUILD_DIR ENV PRECISION: one `bench prefill` run of that build with those assignments
   local n
   n=$(cat "$OUT/bench.log" 2>/dev/null | wc -l)
   (set -f; [ -n "$3" ] && export $3; BUILD_DIR=$2 bench "$1" prefill -q --replays 20 --repeats 1 --score-precision "$4")

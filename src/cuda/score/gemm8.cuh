@@ -4,24 +4,24 @@
 // straight into the wgmma B operand, with no expansion and no register staging; NVFP4 keys with
 // E4M3 rounding (R >= 128) are expanded into it by the threads instead. fp32 ("gemm16", template
 // flag F16, opted into with INDEXCP_SCORE_GEMM16=1; its paragraph is the last): the same shape on
-// fp16 operands. Private to score.cu
-// (src/cuda/score.cu has the overview).
+// fp16 operands. Private to score.cu (src/cuda/score.cu has the overview).
 //
 // Shape (the fp8_mma form; the fp32 form differs as its paragraph at the end says): 256 threads =
-// two warpgroups; the CTA holds 256 query vectors of its slice, 128 per
-// warpgroup, as the A operand in registers (two m64 tiles of raw E4M3 bytes per warpgroup, loaded
-// once per request: 32 registers). A stage is one selection block: 128 keys x 128 bytes (16 KiB) in
-// the 128-byte-swizzled K-major layout, read by both warpgroups: each multiplies it with two chains
-// of 4 wgmma m64n128k32 (one per m64 tile), so a key byte copied from L2 serves 256 query vectors
-// (the 128-vector version of session 18 read every key from L2 once per 128 vectors, about 3.3
-// TB/s at its speed: bench/NOTES.md v19). The block maximum of a query vector is then a maximum over
-// the 128 accumulator columns of its row: 31 fmax in the thread and a reduce-scatter over the quad.
-// The two chains are two wgmma commit groups, so tile 0's maxima are taken while tile 1's chain runs
-// (INDEXCP_SCORE_G8_SPLIT; no maxima are held beyond the block). The warpgroups take turns at issuing their chains of a
-// block (two mbarriers of 128 arrivals each: warpgroup 0 issues block c after warpgroup 1 issued
-// block c - 1, warpgroup 1 after warpgroup 0 issued block c), so the tensor cores run one
-// warpgroup's chains while the other takes its maxima ("ping-pong" on a shared stage). Neither
-// barrier can run two phases ahead of its waiter: each arrival waits for the other's.
+// two warpgroups; the CTA holds 256 query vectors of its slice, 128 per warpgroup, as the A operand
+// in registers (two m64 tiles of raw E4M3 bytes per warpgroup, loaded once per request: 32
+// registers). A stage is one selection block: 128 keys x 128 bytes (16 KiB) in the
+// 128-byte-swizzled K-major layout, read by both warpgroups: each multiplies it with two chains of
+// 4 wgmma m64n128k32 (one per m64 tile), so a key byte copied from L2 serves 256 query vectors (the
+// 128-vector version of session 18 read every key from L2 once per 128 vectors, about 3.3 TB/s at
+// its speed: bench/NOTES.md v19). The block maximum of a query vector is then a maximum over the
+// 128 accumulator columns of its row: 31 fmax in the thread and a reduce-scatter over the quad. The
+// two chains are two wgmma commit groups, so tile 0's maxima are taken while tile 1's chain runs
+// (INDEXCP_SCORE_G8_SPLIT; no maxima are held beyond the block). The warpgroups take turns at
+// issuing their chains of a block (two mbarriers of 128 arrivals each: warpgroup 0 issues block c
+// after warpgroup 1 issued block c - 1, warpgroup 1 after warpgroup 0 issued block c), so the
+// tensor cores run one warpgroup's chains while the other takes its maxima ("ping-pong" on a shared
+// stage). Neither barrier can run two phases ahead of its waiter: each arrival waits for the
+// other's.
 //
 // The bits are those of every other scorer of the mode (form.hpp, form8_dim): k slot 16 half +
 // 4 t4 + i of k-step s8 multiplies dimension 32 t4 + 8 s8 + 4 half + i, with the queries as A and
@@ -33,23 +33,22 @@
 // GPU suite compares these scores with score_kernel's bit for bit (All/GpuFp8MmaForm.*,
 // GpuFp8Mma.GemmScorerEqualsTheTileScorer).
 //
-// Pipeline: one ring of G8Form::kStages stages shared by the warpgroups, kStages - 2 blocks in flight,
-// two mbarriers per stage. FP8 keys in fp8_mma: every warp copies 16 rows of a block (warp w: rows 16 w .. 16 w + 15, 4
-// bytes per lane per row); every thread arrives on the stage's `full` barrier when its copies land
-// (cp.async.mbarrier.arrive.noinc),
-// or, for NVFP4 keys (E4M3 rounding, R >= 128), expands half a row into it (gemm8_expand_half),
-// fences its stores for the async proxy and arrives;
-// thread 0 also writes the stage's block index and arrives once more. A thread waits on `full`,
-// fences the copies for the async proxy and issues its warpgroup's chains; once they are done it
-// arrives on the stage's `empty` barrier, which a thread waits on before it copies into the stage
-// again. The counters (stage, phase) run on over the requests of the CTA.
+// Pipeline: one ring of G8Form::kStages stages shared by the warpgroups, kStages - 2 blocks in
+// flight, two mbarriers per stage. FP8 keys in fp8_mma: every warp copies 16 rows of a block (warp
+// w: rows 16 w .. 16 w + 15, 4 bytes per lane per row); every thread arrives on the stage's `full`
+// barrier when its copies land (cp.async.mbarrier.arrive.noinc), or, for NVFP4 keys (E4M3 rounding,
+// R >= 128), expands half a row into it (gemm8_expand_half), fences its stores for the async proxy
+// and arrives; thread 0 also writes the stage's block index and arrives once more. A thread waits
+// on `full`, fences the copies for the async proxy and issues its warpgroup's chains; once they are
+// done it arrives on the stage's `empty` barrier, which a thread waits on before it copies into the
+// stage again. The counters (stage, phase) run on over the requests of the CTA.
 //
 // The fp32 form (F16): wgmma m64n128k16 with fp32 accumulation, both operands fp16 in shared memory
 // in the 128-byte swizzle (a 256-byte row is two 128-byte halves of 64 dimensions, 16 KiB per half
 // of a stage): the CTA's 256 query vectors are converted from E4M3 once per request (64 KiB), and
 // every key passes through the threads: FP8 bytes converted (cvt.rn.f16x2.e4m3x2), NVFP4 codes
-// expanded (form_expand_e4m3), half a row per thread, into a ring of 3 stages (32 KiB each). The raw key
-// bytes come from a ring of the thread's own in shared memory, filled by cp.async 3 (FP8) or 5
+// expanded (form_expand_e4m3), half a row per thread, into a ring of 3 stages (32 KiB each). The
+// raw key bytes come from a ring of the thread's own in shared memory, filled by cp.async 3 (FP8) or 5
 // (NVFP4) blocks ahead (one commit group per block, cp.async.wait_group); a thread expands its half
 // row of the next block after it has issued its chains of a block, as the NVFP4 fp8_mma form does
 // (bench/NOTES.md v20 has the measurements and the variants not yet measured). The k slots are those
@@ -157,9 +156,10 @@ __device__ __forceinline__ int32_t uniform(int32_t x) { return __reduce_max_sync
 __device__ __forceinline__ void cp_async_arrive(uint64_t* bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_u32(bar)) : "memory");
 }
-// The descriptor of a K-major tile in the 128-byte swizzle (B, the keys; in the fp32 form A too) (PTX ISA, "Matrix Descriptor
-// Format"): start address (the stage, 1024-aligned, plus 32 bytes per k-step), LBO unused (1), SBO
-// = 1024 bytes between groups of 8 rows, layout type 1 (128B swizzle) in bits 62-63.
+// The descriptor of a K-major tile in the 128-byte swizzle (B, the keys; in the fp32 form A too;
+// PTX ISA, "Matrix Descriptor Format"): start address (the stage, 1024-aligned, plus 32 bytes per
+// k-step), LBO unused (1), SBO = 1024 bytes between groups of 8 rows, layout type 1 (128B swizzle)
+// in bits 62-63.
 __device__ __forceinline__ uint64_t sw128_desc(uint32_t saddr) {
   return static_cast<uint64_t>((saddr & 0x3FFFFu) >> 4) | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) |
          (uint64_t{1} << 62);
@@ -739,8 +739,7 @@ __global__ void __launch_bounds__(kG8Threads, 1) gemm8_score_kernel(const ScoreA
   #pragma unroll
           for (int m = 0; m < 2; ++m)
   #pragma unroll
-            for (int s = 0; s < 8; ++s)
-            {
+            for (int s = 0; s < 8; ++s) {
               wgmma16_ss(acc[m],
                          sw128_desc(q0 + static_cast<uint32_t>((s >> 2) * kG8Vectors * 128 + (128 * wg + 64 * m) * 128 + 32 * (s & 3))),
                          sw128_desc(sa + static_cast<uint32_t>((s >> 2) * S::kHalfBytes + 32 * (s & 3))), s > 0);

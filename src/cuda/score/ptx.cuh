@@ -108,18 +108,14 @@ __device__ __forceinline__ void wg_commit() {
   asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
 #endif
 }
-__device__ __forceinline__ void wg_wait0() {
-#if INDEXCP_HAVE_WGMMA
-  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-#endif
-}
-// all but the N most recent wgmma groups of the warp have completed
+// all but the N most recent wgmma groups of the warp have completed (wg_wait0: all of them)
 template <int N>
 __device__ __forceinline__ void wg_wait() {
 #if INDEXCP_HAVE_WGMMA
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 #endif
 }
+__device__ __forceinline__ void wg_wait0() { wg_wait<0>(); }
 // The accumulator operands of the m64n64 and m64n128 instructions (NT = 8, 16; both forms): D32 /
 // D64 bind d[nt][i] to %0 .. %31 / %0 .. %63 in order, and R32 / R64 are those register lists.
 #define INDEXCP_WG_D4(d, k) "+f"(d[k][0]), "+f"(d[k][1]), "+f"(d[k][2]), "+f"(d[k][3])
