@@ -90,7 +90,8 @@ std::vector<float> decode_scores_of(const cuda::DeviceCache& c, const DecodeBatc
 }
 
 // Whether the GEMM-shaped scorer can run: the build has its sm_90a code and the GPU is compute
-// capability 9.0 (launch_score takes it by default then).
+// capability 9.0 (launch_score then takes it by default in fp8_mma, and with INDEXCP_SCORE_GEMM16=1
+// in fp32).
 #ifndef INDEXCP_BUILD_SM90A
 #define INDEXCP_BUILD_SM90A 0
 #endif
