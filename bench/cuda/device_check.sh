@@ -23,7 +23,7 @@
 #               CMAKE_CUDA_FLAGS set to its flags (in parallel, VJOBS jobs each); each variant's
 #               test_gpu runs VARIANT_TESTS ("GpuFp8Mma.GemmScorer*") and a variant that fails is not
 #               benchmarked; then AB_ROUNDS rounds over PRECS ("fp32") of the default build
-#               ($BUILD_DIR) and every variant, all with VARIANT_ENV ("INDEXCP_SCORE_GEMM16=1"), and
+#               ($BUILD_DIR) and every variant, all with VARIANT_ENV (empty by default), and
 #               of the default build with B_ENV alone (if set); the scorer lines go to summary.txt
 # Environment: INDEXCP_SHARED_DIR (default ./shared), JOBS (16), BUILD_DIR (build-dev),
 #              INDEXCP_GIT_REV (stored in the records), BENCH_ARGS (extra args for every bench).
@@ -248,7 +248,7 @@ do_prefill_ab() {
 do_prefill_variants() {
   [ -n "${PREFILL_VARIANTS:-}" ] || { log "prefill-variants: PREFILL_VARIANTS is empty"; return 2; }
   local v n f r prec ok=""
-  local venv=${VARIANT_ENV-INDEXCP_SCORE_GEMM16=1}
+  local venv=${VARIANT_ENV-}
   for v in $PREFILL_VARIANTS; do
     n=${v%%=*}
     f=${v#*=}

@@ -46,13 +46,12 @@ const std::vector<Knob>& knob_table() {
        "rows per page) with the GEMM-shaped kernel (256 vectors per CTA, keys copied or expanded into the wgmma "
        "operand, src/cuda/score/gemm8.cuh), 0 keeps the tile scorer (the same bits); unset or another value: 1 (an "
        "experiment knob, bench/NOTES.md)."},
-      {"INDEXCP_SCORE_GEMM16", K::kEnv, "0", "library (CUDA)",
+      {"INDEXCP_SCORE_GEMM16", K::kEnv, "1", "library (CUDA)",
        "0 or 1. indexer_score_precision fp32 on compute capability 9.0, requests with more than 128 query vectors "
        "(rows x heads): 1 scores E4M3 keys (the prefill gather's FP8 rows; FP8 caches and NVFP4 caches with "
        "indexer_k_rounding e4m3, of at least 128 rows per page) with the GEMM-shaped kernel's fp32 form (256 vectors "
        "per CTA, keys and queries converted to fp16 in shared memory, src/cuda/score/gemm8.cuh; the tile scorer's "
-       "bits), 0 keeps the tile scorer; unset or another value: 0. Opt-in: the committed form has not yet run on a "
-       "GPU (an experiment knob, bench/NOTES.md v20)."},
+       "bits), 0 keeps the tile scorer; unset or another value: 1 (a benchmarking aid, bench/NOTES.md v20, v21)."},
       {"INDEXCP_SCORE_G8_PERSISTENT", K::kEnv, "1", "library (CUDA)",
        "0 or 1. 1: the GEMM-shaped scorer (both modes) runs one CTA per multiprocessor, each taking an equal share of all "
        "query slices' pairs (where every CTA computes the plan, up to 65,536 slices x requests); 0: a grid of CTAs per "
@@ -128,17 +127,19 @@ const std::vector<Knob>& knob_table() {
       {"INDEXCP_SCORE_G8_STAGES", K::kMacro, "12", "build",
        "16 KiB key stages of the GEMM-shaped fp8_mma scorer's ring, which both warpgroups read (at least 4; "
        "stages - 2 blocks in flight)."},
-      {"INDEXCP_SCORE_G16_STAGES", K::kMacro, "3", "build",
+      {"INDEXCP_SCORE_G16_STAGES", K::kMacro, "0", "build",
        "32 KiB fp16 key stages of the GEMM-shaped scorer's ring in its fp32 form (at least 3; stages - 2 blocks in "
-       "flight); unset: 3 with INDEXCP_SCORE_G16_RAW=1 (the most that fits beside the 64 KiB query tile and the raw "
-       "ring), 4 with INDEXCP_SCORE_G16_RAW=0."},
-      {"INDEXCP_SCORE_G16_RAW", K::kMacro, "1", "build",
-       "1: the GEMM-shaped scorer's fp32 form copies each thread's raw key bytes several blocks ahead into a ring in "
-       "shared memory (cp.async) and keeps 3 fp16 stages; 0: one block ahead in registers, 4 stages (an experiment "
-       "knob, bench/NOTES.md)."},
+       "flight); 0: 3 with the raw ring (the most that fits beside the 64 KiB query tile and the ring), 4 without."},
+      {"INDEXCP_SCORE_G16_RAW4", K::kMacro, "0", "build",
+       "The GEMM-shaped scorer's fp32 form on NVFP4 keys: 1 copies each thread's raw key bytes 5 blocks ahead into a "
+       "ring in shared memory (cp.async); 0: one block ahead in registers (an experiment knob, bench/NOTES.md v21)."},
+      {"INDEXCP_SCORE_G16_RAW8", K::kMacro, "1", "build",
+       "The GEMM-shaped scorer's fp32 form on E4M3 rows (the gather's FP8 rows, FP8 caches): 1 copies each thread's "
+       "raw key bytes 3 blocks ahead into a ring in shared memory (cp.async); 0: one block ahead in registers (an "
+       "experiment knob, bench/NOTES.md v21)."},
       {"INDEXCP_SCORE_G16_EARLY", K::kMacro, "0", "build",
        "0: the GEMM-shaped scorer's fp32 form expands the next block after it issues a block's wgmma chains; 1: "
-       "before (an experiment knob, built but not yet run on a GPU: bench/NOTES.md v20)."},
+       "before (an experiment knob, slower: bench/NOTES.md v21)."},
       {"INDEXCP_SCORE_G8_DEBUG", K::kMacro, "0", "build",
        "1: the GEMM-shaped scorer honours INDEXCP_SCORE_DEBUG (1 no MMA, 2 no key loads or expansion where keys pass "
        "through the threads, 4 no block maxima); 0: it ignores it (the checks cost registers)."},

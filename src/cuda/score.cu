@@ -33,7 +33,7 @@
 // (score/gemm8.cuh: 256 vectors per CTA, keys in the wgmma B operand, queries as A; fp8_mma: FP8 keys
 // copied as they are, NVFP4 keys expanded; fp32 ("gemm16"): keys and queries converted to fp16 in
 // shared memory; the same products in the same k order, so the same bits).
-// INDEXCP_SCORE_GEMM8=0 keeps the tiles in fp8_mma; the fp32 form is opt-in (INDEXCP_SCORE_GEMM16=1).
+// INDEXCP_SCORE_GEMM8=0 keeps the tiles in fp8_mma, INDEXCP_SCORE_GEMM16=0 in fp32.
 #include <cuda_fp16.h>
 
 #include <cub/block/block_scan.cuh>
@@ -518,10 +518,10 @@ void launch_gemm8(const ScoreArgs& a0, int64_t nvec_max, cudaStream_t stream) {
 }
 
 // Whether the GEMM-shaped scorer takes the E4M3 keys of a launch in its mode (m8: fp8_mma). fp8_mma:
-// unless INDEXCP_SCORE_GEMM8 is 0. fp32: only where INDEXCP_SCORE_GEMM16 is 1 (opt-in until the
-// committed form has run on a GPU: bench/NOTES.md v20). Either keeps the tile scorer's bits. Only
-// where its code exists: a build with an sm_90a cubin and wgmma (INDEXCP_BUILD_SM90A from
-// src/cuda/CMakeLists.txt, INDEXCP_SCORE_WGMMA), run on compute capability 9.0.
+// unless INDEXCP_SCORE_GEMM8 is 0; fp32: unless INDEXCP_SCORE_GEMM16 is 0 (bench/NOTES.md v20,
+// v21). Either keeps the tile scorer's bits. Only where its code exists: a build with an sm_90a
+// cubin and wgmma (INDEXCP_BUILD_SM90A from src/cuda/CMakeLists.txt, INDEXCP_SCORE_WGMMA), run on
+// compute capability 9.0.
 #ifndef INDEXCP_BUILD_SM90A
 #define INDEXCP_BUILD_SM90A 0
 #endif
@@ -531,8 +531,8 @@ bool gemm8_enabled(bool m8) {
     if (const char* e = ::indexcp::detail::knob_env("INDEXCP_SCORE_GEMM8"))
       if (std::strcmp(e, "0") == 0) return false;
   } else {
-    const char* e = ::indexcp::detail::knob_env("INDEXCP_SCORE_GEMM16");
-    if (!(e && std::strcmp(e, "1") == 0)) return false;
+    if (const char* e = ::indexcp::detail::knob_env("INDEXCP_SCORE_GEMM16"))
+      if (std::strcmp(e, "0") == 0) return false;
   }
   int dev = 0, major = 0, minor = 0;
   check(cudaGetDevice(&dev), "cudaGetDevice");

@@ -90,8 +90,7 @@ std::vector<float> decode_scores_of(const cuda::DeviceCache& c, const DecodeBatc
 }
 
 // Whether the GEMM-shaped scorer can run: the build has its sm_90a code and the GPU is compute
-// capability 9.0 (launch_score then takes it by default in fp8_mma, and with INDEXCP_SCORE_GEMM16=1
-// in fp32).
+// capability 9.0 (launch_score then takes it by default in both modes).
 #ifndef INDEXCP_BUILD_SM90A
 #define INDEXCP_BUILD_SM90A 0
 #endif
@@ -323,7 +322,7 @@ TEST(GpuFp8Mma, GatherAndLocalScorePrefillEqualReplicated) {
 
 // The GEMM-shaped scorer of E4M3 keys (src/cuda/score/gemm8.cuh: 256 query vectors per CTA; in
 // fp8_mma FP8 keys copied straight into the wgmma operand or NVFP4 keys expanded into it, the
-// queries as A; in fp32, opted into with INDEXCP_SCORE_GEMM16=1, keys and queries converted to fp16
+// queries as A; in fp32 keys and queries converted to fp16
 // in shared memory) gives the bits of the tile scorer (score_kernel) in both modes for every
 // entry of prefill_scores on FP8 and NVFP4 caches of P = 128 and 256 (the gather's staged rows:
 // GatherAndLocalScorePrefillEqualReplicated): random data, 5 requests (one of 700 rows, whose
@@ -332,8 +331,8 @@ TEST(GpuFp8Mma, GatherAndLocalScorePrefillEqualReplicated) {
 // (130 vectors: one CTA, half of it past them), the in-CTA and the global work plan,
 // the persistent grid (a CTA's share crosses slices: 1 CTA for all, or one per multiprocessor) and
 // the grid of CTAs per slice (1 per slice, or the default), and NVFP4 scale bytes with the sign bit
-// set (the default launch); and it is the kernel that ran (by default in fp8_mma, with the knob in
-// fp32; compute capability 9.0, a build with sm_90a code).
+// set (the default launch); and it is the kernel that ran (by default in both modes; compute
+// capability 9.0, a build with sm_90a code).
 TEST(GpuFp8Mma, GemmScorerEqualsTheTileScorer) {
   REQUIRE_GPU();
   const bool sm90a = gemm_scorer_here();
@@ -386,7 +385,7 @@ TEST(GpuFp8Mma, GemmScorerEqualsTheTileScorer) {
             DevArr<float> out(static_cast<size_t>(nrows) * nh * mb);
             std::vector<uint32_t> got[2];
             for (int tiles = 0; tiles < 2; ++tiles) {
-              gemm_env.set(tiles ? "0" : (prec == kF8 ? "" : "1"));  // fp8_mma: the default; fp32: opt-in
+              gemm_env.set(tiles ? "0" : "");  // the default in both modes
               out.fill_bytes(0x7f);  // (prefill_scores writes -inf everywhere first, then the scores)
               cuda::prefill_scores(dev_c[0], 0, batch, nrows, max_rows, h0, nh, out.get(), nullptr, prec);
               const std::string ran = cuda::detail::last_score_kernel();
@@ -406,7 +405,7 @@ TEST(GpuFp8Mma, GemmScorerEqualsTheTileScorer) {
 }
 
 // Decode rows reach the GEMM-shaped scorer too where a request has more than 128 query vectors
-// (query_len 16 x 16 heads = 256: one query slice), in both modes (fp32 opted into), and give the
+// (query_len 16 x 16 heads = 256: one query slice), in both modes, and give the
 // tile scorer's bits: decode_scores
 // (rows at different positions of their request) and the decode CP path (a block filter: each rank
 // scores blocks b % 2 == rank of the replicated cache), FP8 and NVFP4 caches, P = 128 and 256.
@@ -429,7 +428,7 @@ TEST(GpuFp8Mma, GemmScorerTakesDecodeRowsWithTheTilesBits) {
         std::vector<uint32_t> sc[2];
         std::vector<int32_t> cp[2];
         for (int tiles = 0; tiles < 2; ++tiles) {
-          knob.set(tiles ? "0" : (prec == kF8 ? "" : "1"));  // fp8_mma: the default; fp32: opt-in
+          knob.set(tiles ? "0" : "");  // the default in both modes
           sc[tiles] = bits_of(decode_scores_of(repl[0], d.b, 0, H, prec));
           EXPECT_EQ(std::string(cuda::detail::last_score_kernel()), !tiles && sm90a ? gemm : "tiles") << where;
           DevArr<int32_t> out(static_cast<size_t>(B) * Q * H * shape.sel.topk);

@@ -3,7 +3,7 @@
 // prefill gather's FP8 rows, an FP8 cache with at least 128 rows per page) go from global memory
 // straight into the wgmma B operand, with no expansion and no register staging; NVFP4 keys with
 // E4M3 rounding (R >= 128) are expanded into it by the threads instead. fp32 ("gemm16", template
-// flag F16, opted into with INDEXCP_SCORE_GEMM16=1; its paragraph is the last): the same shape on
+// flag F16; INDEXCP_SCORE_GEMM16=0 keeps the tile scorer; its paragraph is the last): the same shape on
 // fp16 operands. Private to score.cu (src/cuda/score.cu has the overview).
 //
 // Shape (the fp8_mma form; the fp32 form differs as its paragraph at the end says): 256 threads =
@@ -47,11 +47,13 @@
 // in the 128-byte swizzle (a 256-byte row is two 128-byte halves of 64 dimensions, 16 KiB per half
 // of a stage): the CTA's 256 query vectors are converted from E4M3 once per request (64 KiB), and
 // every key passes through the threads: FP8 bytes converted (cvt.rn.f16x2.e4m3x2), NVFP4 codes
-// expanded (form_expand_e4m3), half a row per thread, into a ring of 3 stages (32 KiB each). The
-// raw key bytes come from a ring of the thread's own in shared memory, filled by cp.async 3 (FP8) or 5
-// (NVFP4) blocks ahead (one commit group per block, cp.async.wait_group); a thread expands its half
-// row of the next block after it has issued its chains of a block, as the NVFP4 fp8_mma form does
-// (bench/NOTES.md v20 has the measurements and the variants not yet measured). The k slots are those
+// expanded (form_expand_e4m3), half a row per thread, into a ring of stages (32 KiB each). The raw
+// key bytes of E4M3 rows come from a ring of the thread's own in shared memory, filled by cp.async
+// 3 blocks ahead (one commit group per block, cp.async.wait_group), beside 3 stages; NVFP4 codes
+// and scales are loaded one pair ahead into registers, beside 4 stages (INDEXCP_SCORE_G16_RAW4 /
+// RAW8 swap these; bench/NOTES.md v21 has the measurements). A thread expands its half row of the
+// next block after it has issued its chains of a block, as the NVFP4 fp8_mma form does. The k
+// slots are those
 // of form_dim: the products and their order per k-step are the tile scorer's, so the scores have
 // its bits (GpuFp8Mma.GemmScorerEqualsTheTileScorer).
 #pragma once
@@ -83,28 +85,36 @@ constexpr int kG8Vectors = 256;  // query vectors per CTA: 128 per warpgroup (NT
 #ifndef INDEXCP_SCORE_G8_STAGES
 #define INDEXCP_SCORE_G8_STAGES 12
 #endif
-// The fp32 form's raw ring (1) or one pair ahead in registers with 4 stages (0); its expansion
-// of the next block after a block's chains are issued (0) or before (1: not yet run on a GPU,
-// bench/NOTES.md v20)
-#ifndef INDEXCP_SCORE_G16_RAW
-#define INDEXCP_SCORE_G16_RAW 1
+// The fp32 form's raw key bytes: a ring in shared memory, cp.async'd several blocks ahead (1), or
+// one pair ahead in registers (0), per key type: NVFP4 caches (RAW4) and E4M3 rows (RAW8: the
+// gather's FP8 rows, an FP8 cache); 4 fp16 stages with the registers, 3 beside the ring (the most
+// that fits). Its expansion of the next block after a block's chains are issued (0) or before (1).
+// Measured: bench/NOTES.md v21.
+#ifndef INDEXCP_SCORE_G16_RAW4
+#define INDEXCP_SCORE_G16_RAW4 0
+#endif
+#ifndef INDEXCP_SCORE_G16_RAW8
+#define INDEXCP_SCORE_G16_RAW8 1
 #endif
 #ifndef INDEXCP_SCORE_G16_EARLY
 #define INDEXCP_SCORE_G16_EARLY 0
 #endif
 #ifndef INDEXCP_SCORE_G16_STAGES
-#define INDEXCP_SCORE_G16_STAGES (INDEXCP_SCORE_G16_RAW ? 3 : 4)
+#define INDEXCP_SCORE_G16_STAGES 0  // 0: 3 with the raw ring, 4 without
 #endif
 // The shapes of the two forms. fp8_mma (F16 false): a stage holds a block's raw E4M3 key bytes (16
 // KiB), the queries are registers. fp32 (F16, "gemm16"): a stage holds a block's keys as fp16 (32
 // KiB: two 16 KiB halves of 64 dimensions, as the 128-byte swizzle holds 64 fp16 per row), the
-// CTA's 256 query vectors sit in shared memory as fp16 too (64 KiB, the same two halves), and the
-// raw key bytes that each thread converts into a stage come from a ring of its own in shared memory
-// (kRawSlots blocks ahead, cp.async): piece k (8 bytes of NVFP4 codes or scales, 16 bytes of FP8)
-// of thread t at (k * 256 + t) * kRawPiece of its slot, so a warp's reads are contiguous.
+// CTA's 256 query vectors sit in shared memory as fp16 too (64 KiB, the same two halves), and,
+// with the raw ring (kRaw), the raw key bytes that each thread converts into a stage come from a
+// ring of its own in shared memory (kRawSlots blocks ahead, cp.async): piece k (8 bytes of NVFP4
+// codes or scales, 16 bytes of FP8) of thread t at (k * 256 + t) * kRawPiece of its slot, so a
+// warp's reads are contiguous.
 template <bool F16, bool NVFP4>
 struct G8Form {
-  static constexpr int kStages = F16 ? INDEXCP_SCORE_G16_STAGES : INDEXCP_SCORE_G8_STAGES;  // the ring
+  static constexpr bool kRaw = F16 && (NVFP4 ? INDEXCP_SCORE_G16_RAW4 : INDEXCP_SCORE_G16_RAW8);  // F16: the raw ring
+  static constexpr int kStages = !F16 ? INDEXCP_SCORE_G8_STAGES
+                                      : INDEXCP_SCORE_G16_STAGES > 0 ? INDEXCP_SCORE_G16_STAGES : (kRaw ? 3 : 4);  // the ring
   static constexpr int kAhead = kStages - 2;                                                 // blocks in flight
   static constexpr int kStageBytes = kBlockTokens * kHeadDim * (F16 ? 2 : 1);
   static constexpr int kHalfBytes = kBlockTokens * 128;               // F16: one 64-dimension half of a stage
@@ -112,7 +122,7 @@ struct G8Form {
   static constexpr int kRawPiece = NVFP4 ? 8 : 16;                    // F16: the raw ring
   static constexpr int kRawPieces = NVFP4 ? 5 : 4;                    // (4 code pieces and the scales / 4 pieces)
   static constexpr int kRawSlotBytes = kG8Threads * kRawPieces * kRawPiece;
-  static constexpr int kRawSlots = F16 && INDEXCP_SCORE_G16_RAW ? (NVFP4 ? 5 : 3) : 0;
+  static constexpr int kRawSlots = kRaw ? (NVFP4 ? 5 : 3) : 0;
   static constexpr bool kEarly = F16 && INDEXCP_SCORE_G16_EARLY;  // the expansion before the chains
   static_assert(kStages >= (F16 ? 3 : 4), "INDEXCP_SCORE_G8_STAGES: at least 4; INDEXCP_SCORE_G16_STAGES: at least 3");
 };
