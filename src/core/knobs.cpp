@@ -129,7 +129,8 @@ const std::vector<Knob>& knob_table() {
        "stages - 2 blocks in flight)."},
       {"INDEXCP_SCORE_G16_STAGES", K::kMacro, "0", "build",
        "32 KiB fp16 key stages of the GEMM-shaped scorer's ring in its fp32 form (at least 3; stages - 2 blocks in "
-       "flight); 0: 3 with the raw ring (the most that fits beside the 64 KiB query tile and the ring), 4 without."},
+       "flight; at most 3 where a raw ring is built, since one value serves every instance); 0: 3 with the raw ring (the "
+       "most that fits beside the 64 KiB query tile and the ring), 4 without."},
       {"INDEXCP_SCORE_G16_RAW4", K::kMacro, "0", "build",
        "The GEMM-shaped scorer's fp32 form on NVFP4 keys: 1 copies each thread's raw key bytes 5 blocks ahead into a "
        "ring in shared memory (cp.async); 0: one block ahead in registers (an experiment knob, bench/NOTES.md v21)."},

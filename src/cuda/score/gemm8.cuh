@@ -53,9 +53,8 @@
 // and scales are loaded one pair ahead into registers, beside 4 stages (INDEXCP_SCORE_G16_RAW4 /
 // RAW8 swap these; bench/NOTES.md v21 has the measurements). A thread expands its half row of the
 // next block after it has issued its chains of a block, as the NVFP4 fp8_mma form does. The k
-// slots are those
-// of form_dim: the products and their order per k-step are the tile scorer's, so the scores have
-// its bits (GpuFp8Mma.GemmScorerEqualsTheTileScorer).
+// slots are those of form_dim: the products and their order per k-step are the tile scorer's, so
+// the scores have its bits (GpuFp8Mma.GemmScorerEqualsTheTileScorer).
 #pragma once
 
 #include <cub/block/block_scan.cuh>
@@ -619,9 +618,10 @@ __global__ void __launch_bounds__(kG8Threads, 1) gemm8_score_kernel(const ScoreA
         return false;
       };
       // Keys through the threads: each expands (converts) half a row (row tid & 127, half wg) into
-      // the stage. fp8_mma (NVFP4): from registers loaded one pair ahead (load_next). fp32: from the
-      // thread's raw ring (raw_fill: kRawSlots pairs ahead, cp.async; rblk: their blocks, oldest first,
-      // -1 past the request's pairs; rslot: the slot of the oldest).
+      // the stage: from registers loaded one pair ahead (load_next: fp8_mma NVFP4, and fp32 without
+      // the ring, NVFP4 by default), or in fp32 with the ring (kRaw, E4M3 rows by default) from the
+      // thread's raw ring (raw_fill: kRawSlots pairs ahead, cp.async; rblk: their blocks, oldest
+      // first, -1 past the request's pairs; rslot: the slot of the oldest).
       const int xrow = threadIdx.x & 127;
       uint2 rw[4];       // NVFP4: code words 2 wg + 4 t4 (.x) and + 1 (.y)
       uint64_t rsc = 0;  // NVFP4: the row's scale bytes
