@@ -322,9 +322,9 @@ TEST(GpuFp8Mma, GatherAndLocalScorePrefillEqualReplicated) {
 
 // The GEMM-shaped scorer of E4M3 keys (src/cuda/score/gemm8.cuh: 256 query vectors per CTA; in
 // fp8_mma FP8 keys copied straight into the wgmma operand or NVFP4 keys expanded into it, the
-// queries as A; in fp32 keys and queries converted to fp16
-// in shared memory) gives the bits of the tile scorer (score_kernel) in both modes for every
-// entry of prefill_scores on FP8 and NVFP4 caches of P = 128 and 256 (the gather's staged rows:
+// queries as A; in fp32 keys and queries converted to fp16 in shared memory) gives the bits of
+// the tile scorer (score_kernel) in both modes for every entry of prefill_scores on FP8 and
+// NVFP4 caches of P = 128 and 256 (the gather's staged rows:
 // GatherAndLocalScorePrefillEqualReplicated): random data, 5 requests (one of 700 rows, whose
 // slices end on every side of a block boundary, one empty), 4 and 2 heads (2,800 and 1,400 vectors:
 // the last CTA of a request half or wholly past its vectors), the first request alone with one head
@@ -405,10 +405,10 @@ TEST(GpuFp8Mma, GemmScorerEqualsTheTileScorer) {
 }
 
 // Decode rows reach the GEMM-shaped scorer too where a request has more than 128 query vectors
-// (query_len 16 x 16 heads = 256: one query slice), in both modes, and give the
-// tile scorer's bits: decode_scores
-// (rows at different positions of their request) and the decode CP path (a block filter: each rank
-// scores blocks b % 2 == rank of the replicated cache), FP8 and NVFP4 caches, P = 128 and 256.
+// (query_len 16 x 16 heads = 256: one query slice), in both modes, and give the tile scorer's
+// bits: decode_scores (rows at different positions of their request) and the decode CP path (a
+// block filter: each rank scores blocks b % 2 == rank of the replicated cache), FP8 and NVFP4
+// caches, P = 128 and 256.
 TEST(GpuFp8Mma, GemmScorerTakesDecodeRowsWithTheTilesBits) {
   REQUIRE_GPU();
   const bool sm90a = gemm_scorer_here();
