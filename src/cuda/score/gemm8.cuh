@@ -98,6 +98,11 @@ constexpr int kG8Vectors = 256;  // query vectors per CTA: 128 per warpgroup (NT
 #ifndef INDEXCP_SCORE_G16_EARLY
 #define INDEXCP_SCORE_G16_EARLY 0
 #endif
+// The fp32 form's first key loads of a request issued before its query tile is converted (1), or
+// after (0)
+#ifndef INDEXCP_SCORE_G16_KEYS_FIRST
+#define INDEXCP_SCORE_G16_KEYS_FIRST 0
+#endif
 #ifndef INDEXCP_SCORE_G16_STAGES
 #define INDEXCP_SCORE_G16_STAGES 0  // 0: 3 with the raw ring, 4 without
 #endif
@@ -123,6 +128,7 @@ struct G8Form {
   static constexpr int kRawSlotBytes = kG8Threads * kRawPieces * kRawPiece;
   static constexpr int kRawSlots = kRaw ? (NVFP4 ? 5 : 3) : 0;
   static constexpr bool kEarly = F16 && INDEXCP_SCORE_G16_EARLY;  // the expansion before the chains
+  static constexpr bool kKeysFirst = F16 && INDEXCP_SCORE_G16_KEYS_FIRST;  // key loads before the query tile
   static_assert(kStages >= (F16 ? 3 : 4), "INDEXCP_SCORE_G8_STAGES: at least 4; INDEXCP_SCORE_G16_STAGES: at least 3");
 };
 template <bool F16, bool NVFP4>
@@ -523,8 +529,9 @@ __global__ void __launch_bounds__(kG8Threads, 1) gemm8_score_kernel(const ScoreA
       // row g, a1 row g + 8) and + 4..7 (a2, a3)
       const int32_t nw = n0 + 128 * wg;  // this warpgroup's first vector
       uint32_t qa[2][4][4];  // (fp8_mma)
-      if constexpr (F16) {  // the fp32 form: vector n0 + tid as fp16 into row tid of the query tile
-        __syncthreads();    // every thread's chains of the previous request are done (wg_wait0)
+      // the fp32 form: vector n0 + tid as fp16 into row tid of the query tile
+      auto f16_queries = [&]() {
+        __syncthreads();  // every thread's chains of the previous request are done (wg_wait0)
         const int32_t v = n0 + static_cast<int32_t>(threadIdx.x);
         uint4 x[2][4];
   #pragma unroll
@@ -544,6 +551,9 @@ __global__ void __launch_bounds__(kG8Threads, 1) gemm8_score_kernel(const ScoreA
           g16_store_fp8(x[h], q0 + static_cast<uint32_t>(h * kG8Vectors * 128 + threadIdx.x * 128), threadIdx.x & 7u);
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stores, for wgmma (async proxy)
         __syncthreads();
+      };
+      if constexpr (F16) {
+        if (!S::kKeysFirst) f16_queries();
       } else {
   #pragma unroll
       for (int m = 0; m < 2; ++m)
@@ -731,6 +741,7 @@ __global__ void __launch_bounds__(kG8Threads, 1) gemm8_score_kernel(const ScoreA
       } else if constexpr (NVFP4 || F16) {
         load_next();
       }
+      if constexpr (F16 && S::kKeysFirst) f16_queries();  // the key loads above in flight meanwhile
   #pragma unroll 1
       for (int i = 0; i < S::kAhead; ++i) issue();
       float acc[2][16][4];
