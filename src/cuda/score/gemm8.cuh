@@ -437,10 +437,11 @@ __global__ void __launch_bounds__(kG8Threads, 1) gemm8_score_kernel(const ScoreA
     __shared__ int64_t s_first[2];  // the first slice of the share and the pairs before it
     using Scan64 = cub::BlockScan<int64_t, kG8Threads>;
     __shared__ typename Scan64::TempStorage scan64;
-    int64_t W = 0;
+    int64_t W = 0, t_first = 0;  // t_first: this thread's slice of the first 256 (not read again below)
     for (int32_t y0 = 0; y0 < nslices; y0 += kG8Threads) {
       const int32_t yy = y0 + static_cast<int32_t>(threadIdx.x);
       const int64_t t = yy < nslices ? gemm8_slice_pairs<GATHER>(a, yy) : 0;
+      if (y0 == 0) t_first = t;
       int64_t incl, tot;
       Scan64(scan64).InclusiveSum(t, incl, tot);
       W += tot;
@@ -452,7 +453,7 @@ __global__ void __launch_bounds__(kG8Threads, 1) gemm8_score_kernel(const ScoreA
     int64_t carry = 0;
     for (int32_t y0 = 0; y0 < nslices; y0 += kG8Threads) {
       const int32_t yy = y0 + static_cast<int32_t>(threadIdx.x);
-      const int64_t t = yy < nslices ? gemm8_slice_pairs<GATHER>(a, yy) : 0;
+      const int64_t t = y0 == 0 ? t_first : yy < nslices ? gemm8_slice_pairs<GATHER>(a, yy) : 0;
       int64_t excl, tot;
       Scan64(scan64).ExclusiveSum(t, excl, tot);
       if (t > 0 && carry + excl <= lo && lo < carry + excl + t) {  // the one slice holding pair lo
