@@ -101,7 +101,17 @@ constexpr int kG8Vectors = 256;  // query vectors per CTA: 128 per warpgroup (NT
 // The fp32 form's first key loads of a request issued before its query tile is converted (1), or
 // after (0)
 #ifndef INDEXCP_SCORE_G16_KEYS_FIRST
-#define INDEXCP_SCORE_G16_KEYS_FIRST 0
+#define INDEXCP_SCORE_G16_KEYS_FIRST 1
+#endif
+// The wgmma descriptors (both forms): from one warp-uniform base per operand plus a constant per
+// k-step (1), or each computed from its shared-memory address (0)
+#ifndef INDEXCP_SCORE_G8_UDESC
+#define INDEXCP_SCORE_G8_UDESC 0
+#endif
+// Keys through the threads (NVFP4 keys; the fp32 form's E4M3 rows): thread t takes half t & 1 of row
+// t >> 1, so a warp's loads cover 16 whole rows (1), or half wg of row t & 127 (0)
+#ifndef INDEXCP_SCORE_G8_PAIRLANES
+#define INDEXCP_SCORE_G8_PAIRLANES 0
 #endif
 #ifndef INDEXCP_SCORE_G16_STAGES
 #define INDEXCP_SCORE_G16_STAGES 0  // 0: 3 with the raw ring, 4 without
@@ -129,6 +139,7 @@ struct G8Form {
   static constexpr int kRawSlots = kRaw ? (NVFP4 ? 5 : 3) : 0;
   static constexpr bool kEarly = F16 && INDEXCP_SCORE_G16_EARLY;  // the expansion before the chains
   static constexpr bool kKeysFirst = F16 && INDEXCP_SCORE_G16_KEYS_FIRST;  // key loads before the query tile
+  static constexpr bool kUDesc = INDEXCP_SCORE_G8_UDESC;                    // descriptors from uniform bases
   static_assert(kStages >= (F16 ? 3 : 4), "INDEXCP_SCORE_G8_STAGES: at least 4; INDEXCP_SCORE_G16_STAGES: at least 3");
 };
 template <bool F16, bool NVFP4>
@@ -178,6 +189,13 @@ __device__ __forceinline__ void cp_async_arrive(uint64_t* bar) {
 __device__ __forceinline__ uint64_t sw128_desc(uint32_t saddr) {
   return static_cast<uint64_t>((saddr & 0x3FFFFu) >> 4) | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) |
          (uint64_t{1} << 62);
+}
+// The same descriptor from its low word (sw128_desc_lo): the address field (bits 0-13) holds a
+// shared-memory address / 16 below 256 KiB, so lo + offset / 16 stays in it (no carry into the LBO
+// field) for every address of the CTA's shared memory
+__device__ __forceinline__ uint32_t sw128_desc_lo(uint32_t saddr) { return ((saddr & 0x3FFFFu) >> 4) | (1u << 16); }
+__device__ __forceinline__ uint64_t sw128_desc_of(uint32_t lo) {
+  return static_cast<uint64_t>(lo) | (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
 }
 
 // The block-table entry of pair s of request b (a page id, or the gather's unit), or -1 past the
@@ -633,7 +651,8 @@ __global__ void __launch_bounds__(kG8Threads, 1) gemm8_score_kernel(const ScoreA
       // the ring, NVFP4 by default), or in fp32 with the ring (kRaw, E4M3 rows by default) from the
       // thread's raw ring (raw_fill: kRawSlots pairs ahead, cp.async; rblk: their blocks, oldest
       // first, -1 past the request's pairs; rslot: the slot of the oldest).
-      const int xrow = threadIdx.x & 127;
+      const int xrow = INDEXCP_SCORE_G8_PAIRLANES ? static_cast<int>(threadIdx.x >> 1) : static_cast<int>(threadIdx.x & 127);
+      const int xh = INDEXCP_SCORE_G8_PAIRLANES ? static_cast<int>(threadIdx.x & 1) : wg;  // the half of the row
       uint2 rw[4];       // NVFP4: code words 2 wg + 4 t4 (.x) and + 1 (.y)
       uint64_t rsc = 0;  // NVFP4: the row's scale bytes
       uint4 rx[4];       // F16, E4M3 keys: bytes 32 t4 + 16 wg .. + 15 of the row (g16_store_fp8)
@@ -648,13 +667,13 @@ __global__ void __launch_bounds__(kG8Threads, 1) gemm8_score_kernel(const ScoreA
         raw_blk = blk;
         if (dbg & 2) return;  // benchmarking aid: no key loads
         if constexpr (NVFP4) {
-          const uint8_t* rowp = src + static_cast<int64_t>(j0 + xrow) * kNvfp4DataBytesPerKey + 8 * wg;
+          const uint8_t* rowp = src + static_cast<int64_t>(j0 + xrow) * kNvfp4DataBytesPerKey + 8 * xh;
   #pragma unroll
           for (int k = 0; k < 4; ++k) rw[k] = *reinterpret_cast<const uint2*>(rowp + 16 * k);
           rsc = *reinterpret_cast<const uint64_t*>(src + G.scale0 + static_cast<int64_t>(j0 + xrow) * kNvfp4ScalesPerKey);
         } else {
   #pragma unroll
-          for (int k = 0; k < 4; ++k) rx[k] = *reinterpret_cast<const uint4*>(src + 32 * k + 16 * wg);
+          for (int k = 0; k < 4; ++k) rx[k] = *reinterpret_cast<const uint4*>(src + 32 * k + 16 * xh);
         }
       };
       auto raw_fill = [&](int slot) -> int32_t {  // F16: the next pair's pieces into `slot` (one group)
@@ -664,13 +683,13 @@ __global__ void __launch_bounds__(kG8Threads, 1) gemm8_score_kernel(const ScoreA
           const uint32_t d = raw0 + static_cast<uint32_t>(slot * S::kRawSlotBytes);
           constexpr uint32_t kStride = kG8Threads * S::kRawPiece;  // between a thread's pieces
           if constexpr (NVFP4) {
-            const uint8_t* rowp = src + static_cast<int64_t>(j0 + xrow) * kNvfp4DataBytesPerKey + 8 * wg;
+            const uint8_t* rowp = src + static_cast<int64_t>(j0 + xrow) * kNvfp4DataBytesPerKey + 8 * xh;
   #pragma unroll
             for (int k = 0; k < 4; ++k) cp_async_n<8>(d + k * kStride, rowp + 16 * k);
             cp_async_n<8>(d + 4 * kStride, src + G.scale0 + static_cast<int64_t>(j0 + xrow) * kNvfp4ScalesPerKey);
           } else {
   #pragma unroll
-            for (int k = 0; k < 4; ++k) cp_async_n<16>(d + k * kStride, src + 32 * k + 16 * wg);
+            for (int k = 0; k < 4; ++k) cp_async_n<16>(d + k * kStride, src + 32 * k + 16 * xh);
           }
         }
         cp_async_commit();
@@ -682,10 +701,10 @@ __global__ void __launch_bounds__(kG8Threads, 1) gemm8_score_kernel(const ScoreA
         const uint32_t base = next_stage();
         if (dbg & 2) {  // (benchmarking aid: no expansion; the stage keeps what it held)
         } else if constexpr (!F16) {
-          gemm8_expand_half(rw, rsc, wg, lut, base + static_cast<uint32_t>(xrow * kHeadDim), xrow & 7);
+          gemm8_expand_half(rw, rsc, xh, lut, base + static_cast<uint32_t>(xrow * kHeadDim), xrow & 7);
         } else {
-          const uint32_t dst = base + static_cast<uint32_t>(wg * S::kHalfBytes + xrow * 128), r7 = xrow & 7;
-          if constexpr (NVFP4) g16_expand_half(rw, rsc, wg, lut, dst, r7);
+          const uint32_t dst = base + static_cast<uint32_t>(xh * S::kHalfBytes + xrow * 128), r7 = xrow & 7;
+          if constexpr (NVFP4) g16_expand_half(rw, rsc, xh, lut, dst, r7);
           else g16_store_fp8(rx, dst, r7);
         }
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stores, for wgmma (async proxy)
@@ -757,6 +776,17 @@ __global__ void __launch_bounds__(kG8Threads, 1) gemm8_score_kernel(const ScoreA
         if (wg == 1) mbar_wait(&turn[0], chains & 1u);                     // warpgroup 0 issued block c
         wg_fence();
         if (dbg & 1) {  // benchmarking aid: no MMA (nor maxima)
+        } else if constexpr (F16 && S::kUDesc) {  // as below, the descriptors from warp-uniform bases
+          const uint32_t qd = static_cast<uint32_t>(uniform(static_cast<int32_t>(sw128_desc_lo(q0 + static_cast<uint32_t>(128 * wg * 128)))));
+          const uint32_t kd = static_cast<uint32_t>(uniform(static_cast<int32_t>(sw128_desc_lo(sa))));
+  #pragma unroll
+          for (int m = 0; m < 2; ++m)
+  #pragma unroll
+            for (int s = 0; s < 8; ++s) {
+              wgmma16_ss(acc[m], sw128_desc_of(qd + static_cast<uint32_t>(((s >> 2) * kG8Vectors * 128 + 64 * m * 128 + 32 * (s & 3)) >> 4)),
+                         sw128_desc_of(kd + static_cast<uint32_t>(((s >> 2) * S::kHalfBytes + 32 * (s & 3)) >> 4)), s > 0);
+              if (kG8Split && s == 7) wg_commit();
+            }
         } else if constexpr (F16) {  // k-step s: 32 bytes at 32 (s & 3) of half s >> 2 of both tiles
   #pragma unroll
           for (int m = 0; m < 2; ++m)
@@ -768,10 +798,12 @@ __global__ void __launch_bounds__(kG8Threads, 1) gemm8_score_kernel(const ScoreA
               if (kG8Split && s == 7) wg_commit();
             }
         } else {
+          const uint32_t kd = S::kUDesc ? static_cast<uint32_t>(uniform(static_cast<int32_t>(sw128_desc_lo(sa)))) : 0u;
   #pragma unroll
           for (int m = 0; m < 2; ++m) {
   #pragma unroll
-            for (int s8 = 0; s8 < 4; ++s8) wgmma8_tile<16>(acc[m], qa[m][s8], sw128_desc(sa + 32 * s8), s8 > 0);
+            for (int s8 = 0; s8 < 4; ++s8)
+              wgmma8_tile<16>(acc[m], qa[m][s8], S::kUDesc ? sw128_desc_of(kd + 2 * s8) : sw128_desc(sa + 32 * s8), s8 > 0);
             if (kG8Split) wg_commit();
           }
         }
