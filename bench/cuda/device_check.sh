@@ -24,7 +24,10 @@
 #               test_gpu runs VARIANT_TESTS ("GpuFp8Mma.GemmScorer*") and a variant that fails is not
 #               benchmarked; then AB_ROUNDS rounds over PRECS ("fp32") of the default build
 #               ($BUILD_DIR) and every variant, all with VARIANT_ENV (empty by default), and
-#               of the default build with B_ENV alone (if set); the scorer lines go to summary.txt
+#               of the default build with B_ENV alone (if set); the scorer lines go to summary.txt.
+#               VARIANT_OBJS=objs.tgz (bench/cuda/variant_objs.sh, built on another machine and carried):
+#               each variant is $BUILD_DIR's library with NAME.score.cu.o from it, relinked (seconds,
+#               instead of a build per variant)
 # Environment: INDEXCP_SHARED_DIR (default ./shared), JOBS (16), BUILD_DIR (build-dev),
 #              INDEXCP_GIT_REV (stored in the records), BENCH_ARGS (extra args for every bench).
 set -uo pipefail
@@ -249,15 +252,21 @@ do_prefill_variants() {
   [ -n "${PREFILL_VARIANTS:-}" ] || { log "prefill-variants: PREFILL_VARIANTS is empty"; return 2; }
   local v n f r prec ok=""
   local venv=${VARIANT_ENV-}
-  for v in $PREFILL_VARIANTS; do
-    n=${v%%=*}
-    f=${v#*=}
-    f=${f//,/ }
-    ( { cmake -S . -B "build-$n" -G Ninja -DINDEXCP_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a -DCMAKE_BUILD_TYPE=Release \
-          -DINDEXCP_SHARED_DIR="$INDEXCP_SHARED_DIR" "-DCMAKE_CUDA_FLAGS=$f" &&
-        timeout "${BUILD_TIMEOUT:-420}" ninja -C "build-$n" -j "${VJOBS:-5}" indexcp_cli test_gpu; } > "$OUT/build-$n.log" 2>&1
-      log "build-$n ($f) rc=$?" ) &
-  done
+  if [ -n "${VARIANT_OBJS:-}" ]; then  # objects built elsewhere (bench/cuda/variant_objs.sh): relink only
+    local objs=/tmp/indexcp-variant-objs
+    rm -rf "$objs" && mkdir -p "$objs" && tar -C "$objs" -xzf "$VARIANT_OBJS" || { log "VARIANT_OBJS: cannot unpack $VARIANT_OBJS"; return 2; }
+    for v in $PREFILL_VARIANTS; do relink_variant "${v%%=*}" "$objs" & done
+  else
+    for v in $PREFILL_VARIANTS; do
+      n=${v%%=*}
+      f=${v#*=}
+      f=${f//,/ }
+      ( { cmake -S . -B "build-$n" -G Ninja -DINDEXCP_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a -DCMAKE_BUILD_TYPE=Release \
+            -DINDEXCP_SHARED_DIR="$INDEXCP_SHARED_DIR" "-DCMAKE_CUDA_FLAGS=$f" &&
+          timeout "${BUILD_TIMEOUT:-420}" ninja -C "build-$n" -j "${VJOBS:-5}" indexcp_cli test_gpu; } > "$OUT/build-$n.log" 2>&1
+        log "build-$n ($f) rc=$?" ) &
+    done
+  fi
   wait
   for v in $PREFILL_VARIANTS; do
     n=${v%%=*}
@@ -275,6 +284,22 @@ do_prefill_variants() {
       for n in $ok; do prefill_run "prefill-$n-$prec-$r" "build-$n" "$venv" "$prec"; done
     done
   done
+}
+# Variant NAME from $BUILD_DIR's library with its score.cu object replaced by DIR/NAME.score.cu.o
+# (compiled elsewhere with the variant's flags: score.cu is the only translation unit that includes
+# the GEMM-shaped scorer), test_gpu and indexcp relinked by $BUILD_DIR's own link commands into
+# build-NAME, so the rest of the phase runs them as if built there
+relink_variant() {
+  local n=$1 t c
+  local d=$PWD/build-$n
+  mkdir -p "$d/tests" "$d/bin" && cp "$BUILD_DIR/libindexcp.a" "$d/" && cp "$2/$n.score.cu.o" "$d/score.cu.o" &&
+    (cd "$d" && ar r libindexcp.a score.cu.o) > "$OUT/build-$n.log" 2>&1 || { log "build-$n: no object $2/$n.score.cu.o"; return 1; }
+  t="$(ninja -C "$BUILD_DIR" -t commands tests/test_gpu | tail -1)"
+  c="$(ninja -C "$BUILD_DIR" -t commands bin/indexcp | tail -1)"
+  t="${t//libindexcp.a/$d/libindexcp.a}"; t="${t//-o tests\/test_gpu/-o $d/tests/test_gpu}"
+  c="${c//libindexcp.a/$d/libindexcp.a}"; c="${c//-o bin\/indexcp/-o $d/bin/indexcp}"
+  (cd "$BUILD_DIR" && eval "$t" && eval "$c") >> "$OUT/build-$n.log" 2>&1
+  log "build-$n (relinked with $2/$n.score.cu.o) rc=$?"
 }
 prefill_run() {  # NAME BUILD_DIR ENV PRECISION: one `bench prefill` run of that build with those assignments
   local n
