@@ -148,9 +148,9 @@ const std::vector<Knob>& knob_table() {
        "1: the GEMM-shaped scorer (both forms) builds its wgmma descriptors from one warp-uniform base per operand "
        "plus a constant per k-step; 0: each from its shared-memory address (an experiment knob, bench/NOTES.md v22)."},
       {"INDEXCP_SCORE_G8_PAIRLANES", K::kMacro, "0", "build",
-       "Keys that pass through the threads of the GEMM-shaped scorer (NVFP4; E4M3 rows in the fp32 form): 1: thread t "
-       "takes half t & 1 of row t / 2, so a warp loads 16 whole rows; 0: half (t / 128) of row t % 128 (an experiment "
-       "knob, bench/NOTES.md v22)."},
+       "Keys that pass through the threads of the GEMM-shaped scorer (NVFP4; E4M3 rows in the fp32 form): 1: a warp "
+       "expands both halves of 16 rows (8 rows per 16 lanes), so its loads cover whole rows; 0: thread t takes half "
+       "t / 128 of row t % 128 (an experiment knob, bench/NOTES.md v22)."},
       {"INDEXCP_SCORE_G8_DEBUG", K::kMacro, "0", "build",
        "1: the GEMM-shaped scorer honours INDEXCP_SCORE_DEBUG (1 no MMA, 2 no key loads or expansion where keys pass "
        "through the threads, 4 no block maxima); 0: it ignores it (the checks cost registers)."},

@@ -111,8 +111,9 @@ constexpr int kG8Vectors = 256;  // query vectors per CTA: 128 per warpgroup (NT
 #ifndef INDEXCP_SCORE_G8_UDESC
 #define INDEXCP_SCORE_G8_UDESC 0
 #endif
-// Keys through the threads (NVFP4 keys; the fp32 form's E4M3 rows): thread t takes half t & 1 of row
-// t >> 1, so a warp's loads cover 16 whole rows (1), or half wg of row t & 127 (0)
+// Keys through the threads (NVFP4 keys; the fp32 form's E4M3 rows): a warp takes both halves of 16
+// rows, so its loads cover whole rows, and each quarter warp's 16-byte stores go to 8 rows of one
+// half (no bank conflict) (1); or thread t takes half t / 128 of row t % 128 (0)
 #ifndef INDEXCP_SCORE_G8_PAIRLANES
 #define INDEXCP_SCORE_G8_PAIRLANES 0
 #endif
@@ -649,16 +650,18 @@ __global__ void __launch_bounds__(kG8Threads, 1) gemm8_score_kernel(const ScoreA
         }
         return false;
       };
-      // Keys through the threads: each expands (converts) half a row (row tid & 127, half wg) into
-      // the stage: from registers loaded one pair ahead (load_next: fp8_mma NVFP4, and fp32 without
+      // Keys through the threads: each expands (converts) half xh of row xrow into the stage: from registers loaded one pair ahead (load_next: fp8_mma NVFP4, and fp32 without
       // the ring, NVFP4 by default), or in fp32 with the ring (kRaw, E4M3 rows by default) from the
       // thread's raw ring (raw_fill: kRawSlots pairs ahead, cp.async; rblk: their blocks, oldest
       // first, -1 past the request's pairs; rslot: the slot of the oldest).
-      const int xrow = INDEXCP_SCORE_G8_PAIRLANES ? static_cast<int>(threadIdx.x >> 1) : static_cast<int>(threadIdx.x & 127);
-      const int xh = INDEXCP_SCORE_G8_PAIRLANES ? static_cast<int>(threadIdx.x & 1) : wg;  // the half of the row
-      uint2 rw[4];       // NVFP4: code words 2 wg + 4 t4 (.x) and + 1 (.y)
+      // (PAIRLANES: lanes 0-7 of each 16 take half 0 of 8 rows, lanes 8-15 half 1 of the same rows;
+      // otherwise row tid & 127, half wg)
+      const int xrow = INDEXCP_SCORE_G8_PAIRLANES ? static_cast<int>(((threadIdx.x >> 4) << 3) | (threadIdx.x & 7))
+                                                 : static_cast<int>(threadIdx.x & 127);
+      const int xh = INDEXCP_SCORE_G8_PAIRLANES ? static_cast<int>((threadIdx.x >> 3) & 1) : wg;  // the half of the row
+      uint2 rw[4];       // NVFP4: code words 2 xh + 4 t4 (.x) and + 1 (.y)
       uint64_t rsc = 0;  // NVFP4: the row's scale bytes
-      uint4 rx[4];       // F16, E4M3 keys: bytes 32 t4 + 16 wg .. + 15 of the row (g16_store_fp8)
+      uint4 rx[4];       // F16, E4M3 keys: bytes 32 t4 + 16 xh .. + 15 of the row (g16_store_fp8)
       int32_t raw_blk = -1;
       int32_t rblk[S::kRawSlots > 0 ? S::kRawSlots : 1] = {};
       int rslot = 0;
