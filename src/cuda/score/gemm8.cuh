@@ -650,10 +650,11 @@ __global__ void __launch_bounds__(kG8Threads, 1) gemm8_score_kernel(const ScoreA
         }
         return false;
       };
-      // Keys through the threads: each expands (converts) half xh of row xrow into the stage: from registers loaded one pair ahead (load_next: fp8_mma NVFP4, and fp32 without
-      // the ring, NVFP4 by default), or in fp32 with the ring (kRaw, E4M3 rows by default) from the
-      // thread's raw ring (raw_fill: kRawSlots pairs ahead, cp.async; rblk: their blocks, oldest
-      // first, -1 past the request's pairs; rslot: the slot of the oldest).
+      // Keys through the threads: each expands (converts) half xh of row xrow into the stage: from
+      // registers loaded one pair ahead (load_next: fp8_mma NVFP4, and fp32 without the ring, NVFP4
+      // by default), or in fp32 with the ring (kRaw, E4M3 rows by default) from the thread's raw
+      // ring (raw_fill: kRawSlots pairs ahead, cp.async; rblk: their blocks, oldest first, -1 past
+      // the request's pairs; rslot: the slot of the oldest).
       // (PAIRLANES: lanes 0-7 of each 16 take half 0 of 8 rows, lanes 8-15 half 1 of the same rows;
       // otherwise row tid & 127, half wg)
       const int xrow = INDEXCP_SCORE_G8_PAIRLANES ? static_cast<int>(((threadIdx.x >> 4) << 3) | (threadIdx.x & 7))
