@@ -190,17 +190,15 @@ __device__ __forceinline__ void cp_async_arrive(uint64_t* bar) {
 // PTX ISA, "Matrix Descriptor Format"): start address (the stage, 1024-aligned, plus 32 bytes per
 // k-step), LBO unused (1), SBO = 1024 bytes between groups of 8 rows, layout type 1 (128B swizzle)
 // in bits 62-63.
-__device__ __forceinline__ uint64_t sw128_desc(uint32_t saddr) {
-  return static_cast<uint64_t>((saddr & 0x3FFFFu) >> 4) | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) |
-         (uint64_t{1} << 62);
-}
-// The same descriptor from its low word (sw128_desc_lo): the address field (bits 0-13) holds a
-// shared-memory address / 16 below 256 KiB, so lo + offset / 16 stays in it (no carry into the LBO
-// field) for every address of the CTA's shared memory
+// sw128_desc_lo: its low word (address and LBO); sw128_desc_of: the descriptor of a low word. The
+// address field (bits 0-13) holds a shared-memory address / 16 below 256 KiB, so lo + offset / 16
+// stays in it (no carry into the LBO field) for every address of the CTA's shared memory
+// (INDEXCP_SCORE_G8_UDESC).
 __device__ __forceinline__ uint32_t sw128_desc_lo(uint32_t saddr) { return ((saddr & 0x3FFFFu) >> 4) | (1u << 16); }
 __device__ __forceinline__ uint64_t sw128_desc_of(uint32_t lo) {
   return static_cast<uint64_t>(lo) | (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
 }
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t saddr) { return sw128_desc_of(sw128_desc_lo(saddr)); }
 
 // The block-table entry of pair s of request b (a page id, or the gather's unit), or -1 past the
 // pages the request needs. Read one pair ahead of its use (the refills' `pend`), so that its load
@@ -783,25 +781,19 @@ __global__ void __launch_bounds__(kG8Threads, 1) gemm8_score_kernel(const ScoreA
         if (wg == 1) mbar_wait(&turn[0], chains & 1u);                     // warpgroup 0 issued block c
         wg_fence();
         if (dbg & 1) {  // benchmarking aid: no MMA (nor maxima)
-        } else if constexpr (F16 && S::kUDesc) {  // as below, the descriptors from warp-uniform bases
-          const uint32_t qd = static_cast<uint32_t>(uniform(static_cast<int32_t>(sw128_desc_lo(q0 + static_cast<uint32_t>(128 * wg * 128)))));
-          const uint32_t kd = static_cast<uint32_t>(uniform(static_cast<int32_t>(sw128_desc_lo(sa))));
-  #pragma unroll
-          for (int m = 0; m < 2; ++m)
-  #pragma unroll
-            for (int s = 0; s < 8; ++s) {
-              wgmma16_ss(acc[m], sw128_desc_of(qd + static_cast<uint32_t>(((s >> 2) * kG8Vectors * 128 + 64 * m * 128 + 32 * (s & 3)) >> 4)),
-                         sw128_desc_of(kd + static_cast<uint32_t>(((s >> 2) * S::kHalfBytes + 32 * (s & 3)) >> 4)), s > 0);
-              if (kG8Split && s == 7) wg_commit();
-            }
         } else if constexpr (F16) {  // k-step s: 32 bytes at 32 (s & 3) of half s >> 2 of both tiles
+          // (kUDesc: the descriptors as warp-uniform bases qd, kd plus the offset / 16)
+          const uint32_t qw = q0 + static_cast<uint32_t>(128 * wg * 128);
+          const uint32_t qd = S::kUDesc ? static_cast<uint32_t>(uniform(static_cast<int32_t>(sw128_desc_lo(qw)))) : 0u;
+          const uint32_t kd = S::kUDesc ? static_cast<uint32_t>(uniform(static_cast<int32_t>(sw128_desc_lo(sa)))) : 0u;
   #pragma unroll
           for (int m = 0; m < 2; ++m)
   #pragma unroll
             for (int s = 0; s < 8; ++s) {
-              wgmma16_ss(acc[m],
-                         sw128_desc(q0 + static_cast<uint32_t>((s >> 2) * kG8Vectors * 128 + (128 * wg + 64 * m) * 128 + 32 * (s & 3))),
-                         sw128_desc(sa + static_cast<uint32_t>((s >> 2) * S::kHalfBytes + 32 * (s & 3))), s > 0);
+              const uint32_t qo = static_cast<uint32_t>((s >> 2) * kG8Vectors * 128 + 64 * m * 128 + 32 * (s & 3));
+              const uint32_t ko = static_cast<uint32_t>((s >> 2) * S::kHalfBytes + 32 * (s & 3));
+              wgmma16_ss(acc[m], S::kUDesc ? sw128_desc_of(qd + (qo >> 4)) : sw128_desc(qw + qo),
+                         S::kUDesc ? sw128_desc_of(kd + (ko >> 4)) : sw128_desc(sa + ko), s > 0);
               if (kG8Split && s == 7) wg_commit();
             }
         } else {
