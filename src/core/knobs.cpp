@@ -144,13 +144,14 @@ const std::vector<Knob>& knob_table() {
       {"INDEXCP_SCORE_G16_KEYS_FIRST", K::kMacro, "1", "build",
        "1: the GEMM-shaped scorer's fp32 form issues a request's first key loads before it converts the request's "
        "query tile; 0: after (an experiment knob, slower: bench/NOTES.md v22)."},
-      {"INDEXCP_SCORE_G8_UDESC", K::kMacro, "0", "build",
+      {"INDEXCP_SCORE_G8_UDESC", K::kMacro, "2", "build",
        "1: the GEMM-shaped scorer (both forms) builds its wgmma descriptors from one warp-uniform base per operand "
-       "plus a constant per k-step; 0: each from its shared-memory address (an experiment knob, bench/NOTES.md v22)."},
-      {"INDEXCP_SCORE_G8_PAIRLANES", K::kMacro, "0", "build",
+       "plus a constant per k-step; 0: each from its shared-memory address; 2: 1 for NVFP4 keys and in fp8_mma, 0 "
+       "for the fp32 form's E4M3 rows (the fastest of each: bench/NOTES.md v23)."},
+      {"INDEXCP_SCORE_G8_PAIRLANES", K::kMacro, "1", "build",
        "Keys that pass through the threads of the GEMM-shaped scorer (NVFP4; E4M3 rows in the fp32 form): 1: a warp "
        "expands both halves of 16 rows (8 rows per 16 lanes), so its loads cover whole rows; 0: thread t takes half "
-       "t / 128 of row t % 128 (an experiment knob, bench/NOTES.md v22)."},
+       "t / 128 of row t % 128 (slower: bench/NOTES.md v23)."},
       {"INDEXCP_SCORE_G8_DEBUG", K::kMacro, "0", "build",
        "1: the GEMM-shaped scorer honours INDEXCP_SCORE_DEBUG (1 no MMA, 2 no key loads or expansion where keys pass "
        "through the threads, 4 no block maxima); 0: it ignores it (the checks cost registers)."},

@@ -106,16 +106,18 @@ constexpr int kG8Vectors = 256;  // query vectors per CTA: 128 per warpgroup (NT
 #ifndef INDEXCP_SCORE_G16_KEYS_FIRST
 #define INDEXCP_SCORE_G16_KEYS_FIRST 1
 #endif
-// The wgmma descriptors (both forms): from one warp-uniform base per operand plus a constant per
-// k-step (1), or each computed from its shared-memory address (0)
+// The wgmma descriptors: from one warp-uniform base per operand plus a constant per k-step (1), or
+// each computed from its shared-memory address (0); 2: 1 for NVFP4 keys and in fp8_mma, 0 for the
+// fp32 form's E4M3 rows (the fastest of each on an H100, bench/NOTES.md v23)
 #ifndef INDEXCP_SCORE_G8_UDESC
-#define INDEXCP_SCORE_G8_UDESC 0
+#define INDEXCP_SCORE_G8_UDESC 2
 #endif
 // Keys through the threads (NVFP4 keys; the fp32 form's E4M3 rows): a warp takes both halves of 16
 // rows, so its loads cover whole rows, and each quarter warp's 16-byte stores go to 8 rows of one
-// half (no bank conflict) (1); or thread t takes half t / 128 of row t % 128 (0)
+// half (no bank conflict) (1); or thread t takes half t / 128 of row t % 128 (0). Measured:
+// bench/NOTES.md v23
 #ifndef INDEXCP_SCORE_G8_PAIRLANES
-#define INDEXCP_SCORE_G8_PAIRLANES 0
+#define INDEXCP_SCORE_G8_PAIRLANES 1
 #endif
 #ifndef INDEXCP_SCORE_G16_STAGES
 #define INDEXCP_SCORE_G16_STAGES 0  // 0: 3 with the raw ring, 4 without
@@ -143,7 +145,7 @@ struct G8Form {
   static constexpr int kRawSlots = kRaw ? (NVFP4 ? 5 : 3) : 0;
   static constexpr bool kEarly = F16 && INDEXCP_SCORE_G16_EARLY;  // the expansion before the chains
   static constexpr bool kKeysFirst = F16 && INDEXCP_SCORE_G16_KEYS_FIRST;  // key loads before the query tile
-  static constexpr bool kUDesc = INDEXCP_SCORE_G8_UDESC;                    // descriptors from uniform bases
+  static constexpr bool kUDesc = INDEXCP_SCORE_G8_UDESC == 2 ? (!F16 || NVFP4) : INDEXCP_SCORE_G8_UDESC != 0;  // uniform bases
   static_assert(kStages >= (F16 ? 3 : 4), "INDEXCP_SCORE_G8_STAGES: at least 4; INDEXCP_SCORE_G16_STAGES: at least 3");
 };
 template <bool F16, bool NVFP4>
