@@ -147,6 +147,7 @@ struct G8Form {
   static constexpr bool kKeysFirst = F16 && INDEXCP_SCORE_G16_KEYS_FIRST;  // key loads before the query tile
   static constexpr bool kUDesc = INDEXCP_SCORE_G8_UDESC == 2 ? (!F16 || NVFP4) : INDEXCP_SCORE_G8_UDESC != 0;  // uniform bases
   static_assert(kStages >= (F16 ? 3 : 4), "INDEXCP_SCORE_G8_STAGES: at least 4; INDEXCP_SCORE_G16_STAGES: at least 3");
+  static_assert(INDEXCP_SCORE_G8_UDESC >= 0 && INDEXCP_SCORE_G8_UDESC <= 2, "INDEXCP_SCORE_G8_UDESC: 0, 1 or 2");
 };
 template <bool F16, bool NVFP4>
 constexpr int gemm8_smem_bytes() {
@@ -635,7 +636,7 @@ __global__ void __launch_bounds__(kG8Threads, 1) gemm8_score_kernel(const ScoreA
         ++head;
       };
       // the next scored pair from `next` on (uniform): its block and the source of its row j (the
-      // copies: 16 w; the threads' own rows: tid & 127), or for NVFP4 its page and first row there;
+      // copies: 16 w; the threads' own rows: xrow), or for NVFP4 its page and first row there;
       // false past s1
       auto walk = [&](int j, int32_t* blk, const uint8_t** src, int32_t* j0) -> bool {
         while (next < s1) {
