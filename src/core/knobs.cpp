@@ -29,6 +29,10 @@ const std::vector<Knob>& knob_table() {
       {"INDEXCP_SELECT", K::kEnv, "", "library (CUDA)",
        "warp or cta forces the selection / publish kernel (the GPU tests run both); unset: the CTA kernel up to "
        "4 problems per multiprocessor, the warp kernel above."},
+      {"INDEXCP_SELECT_SMALL", K::kEnv, "", "library (CUDA)",
+       "0 keeps the select / publish warp kernel's large instance (rows of up to 1,536 blocks staged) for every "
+       "launch (a GPU test run covers it this way); unset: launches whose rows have at most 512 blocks (max_blocks) "
+       "take the small instance, with twice the warps per multiprocessor."},
       {"INDEXCP_SCORE_PLAN", K::kEnv, "", "library (CUDA)",
        "kernel forces the scorer's separate work-plan kernel (the tests compare it with the in-CTA plan); unset: "
        "the plan is computed by each CTA up to 2,048 requests."},

@@ -5,7 +5,8 @@
 // (K desc, block id asc), a total order without ties. Two select / publish kernels, the same
 // selections (the GPU tests run the exactness suites with each, INDEXCP_SELECT):
 //   warp kernel, one warp per (row, head), for many problems (throughput): the keys of the row are
-//   staged once in shared memory (kStageIlp loads per thread in flight); fast path: the kk-th
+//   staged once in shared memory (kStageIlp loads per thread in flight; two instances, rows of up
+//   to 512 or 1,536 blocks staged, the small one wherever max_blocks allows); fast path: the kk-th
 //   largest of the 32 per-lane maxima bounds the boundary from below (kk <= 32; otherwise every
 //   candidate survives); when at most 64 keys survive they are sorted by a warp bitonic sort and
 //   the selection is their first entries (select writes them in id order, each at its id's rank
@@ -39,13 +40,20 @@ constexpr int kSurv = 64;      // survivors sorted in shared memory (fast path)
 constexpr int kStageIlp = 8;   // keys in flight per thread while a row is staged (warp and CTA kernels)
 constexpr int kStaged = 1536;  // keys staged per warp: rows of up to 1536 blocks (196K tokens);
                                // longer rows are read from L2 directly (correct, slower)
+// The select / publish warp kernel's second instance, for launches whose rows have at most 512
+// blocks (64K tokens: the scores' row stride, max_blocks, says so): a quarter of the shared memory
+// per warp, so twice the warps per multiprocessor (then the registers bound them), for a kernel
+// that waits on its loads and shuffles (bench/NOTES.md, v24).
+constexpr int kStagedSmall = 512;
 
-struct WarpSmem {
-  uint32_t key[kStaged];  // select / publish: candidate keys (publish: compacted); merge: K and ids
-  uint16_t idx[kStaged];  // publish: the candidate index (block - init) of each compacted key
+template <int STAGED>
+struct WarpSmemT {
+  uint32_t key[STAGED];  // select / publish: candidate keys (publish: compacted); merge: K and ids
+  uint16_t idx[STAGED];  // publish: the candidate index (block - init) of each compacted key
   uint32_t skey[kSurv];
   int32_t sidx[kSurv];
 };
+using WarpSmem = WarpSmemT<kStaged>;
 
 __device__ __forceinline__ int64_t row_position(const RowsView& v, int64_t row) {
   if (v.query_start == nullptr) {
@@ -90,7 +98,8 @@ __device__ __forceinline__ uint64_t warp_sort_asc(uint64_t v) {
 // a bitonic sort on the composite key K << 32 | ~index (indices are unique, so the order is
 // total; empty slots are 0 and sort last) of 32 slots, one per lane, when S <= 32, else of 64
 // slots, slot p = 32 r + lane in register v[r].
-__device__ __forceinline__ void sort_survivors(int S, WarpSmem& sh) {
+template <class Smem>
+__device__ __forceinline__ void sort_survivors(int S, Smem& sh) {
   static_assert(kSurv == 64, "two slots per lane");
   const int lane = threadIdx.x & 31;
   if (S <= 32) {  // one slot per lane: ascending on ~key is descending on key
@@ -147,8 +156,8 @@ __device__ __forceinline__ void sort_survivors(int S, WarpSmem& sh) {
 // candidate). On return the selection is { K(i) > 0 and (K, i) not worse than (*tk, *ti) }.
 // *surv > 0 when sh.skey / sh.sidx hold every selected element (and possibly more) in the order
 // (K desc, index asc), so the selected ones are the first entries.
-template <class Key>
-__device__ void warp_boundary(int32_t n, int32_t kk, Key key, WarpSmem& sh, uint32_t* tk, int32_t* ti, int* surv) {
+template <class Key, class Smem>
+__device__ void warp_boundary(int32_t n, int32_t kk, Key key, Smem& sh, uint32_t* tk, int32_t* ti, int* surv) {
   const int lane = threadIdx.x & 31;
   *surv = 0;
   uint32_t lm = 0;
@@ -402,9 +411,9 @@ __device__ __forceinline__ bool signatures_differ(const MergeLaunch& mg) {
 
 // PUBLISH: a kernel instance each for select and publish (one instance holding both paths was
 // 9,144 instructions long and stalled on instruction fetch: bench/NOTES.md, v10)
-template <bool PUBLISH>
+template <bool PUBLISH, int STAGED>
 __global__ void __launch_bounds__(kWarpsPerCta * 32) select_warp_kernel(const SelectArgs s, const SignatureOut so) {
-  __shared__ WarpSmem shm[kWarpsPerCta];
+  __shared__ WarpSmemT<STAGED> shm[kWarpsPerCta];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t problem = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + warp;
   if (PUBLISH && so.signature != nullptr && blockIdx.x == gridDim.x - 1) {  // the signature's own block
@@ -412,7 +421,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) select_warp_kernel(const Se
     return;
   }
   if (problem >= s.rows.rows * s.nh) return;
-  WarpSmem& sh = shm[warp];
+  WarpSmemT<STAGED>& sh = shm[warp];
   const SelectProblem pb(s, problem, PUBLISH);
   const SelectionParams sel = s.sel;
   const int32_t kk = pb.kk, local = pb.local, nc = pb.n, init = pb.init;
@@ -424,7 +433,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) select_warp_kernel(const Se
   auto key_global = [&](int32_t i) -> uint32_t { return pb.key(i); };
   // stage the keys; publish compacts them to the blocks this rank stores (so that a periodic
   // validity pattern, e.g. every other block at P256, cannot defeat the per-lane filter)
-  const bool staged = nc <= kStaged;
+  const bool staged = nc <= STAGED;
   int32_t n = nc;
   if (staged) {
     int base = 0;  // publish: the keys are compacted to the candidates
@@ -829,14 +838,20 @@ void launch_select(const SelectLaunch& launch, cudaStream_t stream) {
     cta = problems <= int64_t{4} * sms;
   }
   const bool publish = s.cands != nullptr;
+  // rows of at most kStagedSmall blocks (max_blocks is the scores' row stride, so no row has more)
+  // take the warp kernel with the smaller staging (INDEXCP_SELECT_SMALL=0: never; experiment knob)
+  const char* es = ::indexcp::detail::knob_env("INDEXCP_SELECT_SMALL");
+  const bool small = s.max_blocks <= kStagedSmall && !(es && std::strcmp(es, "0") == 0);
   // a publish that signs its record gets one more block, which writes the signature alone (in
   // parallel with the problems: no block's work grows)
   const unsigned ctas = static_cast<unsigned>((cta ? problems : ceil_div(problems, kWarpsPerCta)) +
                                               (publish && so.signature != nullptr ? 1 : 0));
   if (cta && publish) select_cta_kernel<true><<<ctas, kSelThreads, 0, stream>>>(s, so);
   else if (cta) select_cta_kernel<false><<<ctas, kSelThreads, 0, stream>>>(s, SignatureOut{});
-  else if (publish) select_warp_kernel<true><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, so);
-  else select_warp_kernel<false><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, SignatureOut{});
+  else if (publish && small) select_warp_kernel<true, kStagedSmall><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, so);
+  else if (publish) select_warp_kernel<true, kStaged><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, so);
+  else if (small) select_warp_kernel<false, kStagedSmall><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, SignatureOut{});
+  else select_warp_kernel<false, kStaged><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, SignatureOut{});
   INDEXCP_CUDA_LAUNCH_CHECK("select kernel launch");
 }
 
