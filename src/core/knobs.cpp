@@ -56,6 +56,11 @@ const std::vector<Knob>& knob_table() {
        "indexer_k_rounding e4m3, of at least 128 rows per page) with the GEMM-shaped kernel's fp32 form (256 vectors "
        "per CTA, keys and queries converted to fp16 in shared memory, src/cuda/score/gemm8.cuh; the tile scorer's "
        "bits), 0 keeps the tile scorer; unset or another value: 1 (a benchmarking aid, bench/NOTES.md v20, v21)."},
+      {"INDEXCP_SCORE_G8_PRODUCER", K::kEnv, "1", "library (CUDA)",
+       "0 or 1. 1: the fp8_mma form of the GEMM-shaped scorer runs with a third warpgroup that fills every key stage "
+       "(the copies of FP8 keys, the expansion of NVFP4 keys) while the two math warpgroups only multiply and take "
+       "the block maxima; 0: the two math warpgroups fill the stages themselves (a GPU test run covers it this way); "
+       "unset or another value: 1. The same bits either way (an experiment knob, bench/NOTES.md v25)."},
       {"INDEXCP_SCORE_G8_PERSISTENT", K::kEnv, "1", "library (CUDA)",
        "0 or 1. 1: the GEMM-shaped scorer (both modes) runs one CTA per multiprocessor, each taking an equal share of all "
        "query slices' pairs (where every CTA computes the plan, up to 65,536 slices x requests); 0: a grid of CTAs per "
@@ -131,6 +136,12 @@ const std::vector<Knob>& knob_table() {
       {"INDEXCP_SCORE_G8_STAGES", K::kMacro, "12", "build",
        "16 KiB key stages of the GEMM-shaped fp8_mma scorer's ring, which both warpgroups read (at least 4; "
        "stages - 2 blocks in flight)."},
+      {"INDEXCP_SCORE_G8P_PREGS", K::kMacro, "120", "build",
+       "registers per thread of the fp8_mma GEMM-shaped scorer's producer warpgroup (setmaxnreg; a multiple of 8, "
+       "with 128 x PREGS + 256 x MREGS <= 65,536)."},
+      {"INDEXCP_SCORE_G8P_MREGS", K::kMacro, "192", "build",
+       "registers per thread of its two math warpgroups beside the producer warpgroup (setmaxnreg; 128 accumulators "
+       "and 32 query registers each)."},
       {"INDEXCP_SCORE_G16_STAGES", K::kMacro, "0", "build",
        "32 KiB fp16 key stages of the GEMM-shaped scorer's ring in its fp32 form (at least 3; stages - 2 blocks in "
        "flight; at most 3 where a raw ring is built, since one value serves every instance); 0: 3 with the raw ring (the "

@@ -489,12 +489,13 @@ bool gemm8_persistent(const ScoreArgs& a, int64_t gy) {
   return !(e && std::strcmp(e, "0") == 0);
 }
 
-template <bool GATHER, bool NVFP4, bool F16>
+template <bool GATHER, bool NVFP4, bool F16, bool PROD = false>
 void launch_gemm8(const ScoreArgs& a0, int64_t nvec_max, cudaStream_t stream) {
-  constexpr int smem = gemm8_smem_bytes<F16, NVFP4>();
+  constexpr int smem = gemm8_smem_bytes<F16, NVFP4, PROD>();
+  constexpr int threads = g8_threads<PROD>();
   static_assert(smem + 5120 <= 227 * 1024, "shared memory: the dynamic part and up to 5 KiB of static (cub's scans; 4.5 KiB by ptxas)");
   const int64_t gy = ceil_div(nvec_max, static_cast<int64_t>(kG8Vectors));
-  auto k = gemm8_score_kernel<GATHER, NVFP4, F16>;
+  auto k = gemm8_score_kernel<GATHER, NVFP4, F16, PROD>;
   check(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
         "cudaFuncSetAttribute (gemm8 score kernel shared memory)");
   ScoreArgs a = a0;
@@ -503,7 +504,7 @@ void launch_gemm8(const ScoreArgs& a0, int64_t nvec_max, cudaStream_t stream) {
     INDEXCP_CUDA_LAUNCH_CHECK("score plan kernel launch");
   }
   int per_sm = 0;
-  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, kG8Threads, smem), "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, threads, smem), "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
   dim3 grid;
   if (gemm8_persistent(a, gy)) {
     a.g8_slices = static_cast<int32_t>(gy);
@@ -513,8 +514,16 @@ void launch_gemm8(const ScoreArgs& a0, int64_t nvec_max, cudaStream_t stream) {
   } else {
     grid = dim3(gemm8_grid_x(per_sm, static_cast<unsigned>(gy)), static_cast<unsigned>(gy));
   }
-  k<<<grid, kG8Threads, smem, stream>>>(a);
+  k<<<grid, threads, smem, stream>>>(a);
   INDEXCP_CUDA_LAUNCH_CHECK("gemm8 score kernel launch");
+}
+
+// Whether the fp8_mma form of the GEMM-shaped scorer runs with its producer warpgroup (score/gemm8.cuh,
+// G8Form; the default, INDEXCP_SCORE_G8_PRODUCER=0 keeps the two-warpgroup form): the same bits
+// either way (bench/NOTES.md v25).
+bool gemm8_producer() {
+  const char* e = ::indexcp::detail::knob_env("INDEXCP_SCORE_G8_PRODUCER");
+  return !(e != nullptr && std::strcmp(e, "0") == 0);
 }
 
 // Whether the GEMM-shaped scorer takes the E4M3 keys of a launch in its mode (m8: fp8_mma). fp8_mma:
@@ -660,9 +669,15 @@ void launch_score(const ScoreLaunch& s, cudaStream_t stream) {
   // 16 keeps the tiles): the fp8_mma form ("gemm8") or the fp32 form ("gemm16")
   const bool gemm = nt == kMaxNt && nvec_max > kMaxNt * 8 && (s.keys.gather || R >= kBlockTokens) && mode != kModeExact;
   if (gemm && m8 && gemm8_enabled(true)) {
-    if (s.keys.gather) launch_gemm8<true, false, false>(a, nvec_max, stream);
-    else if (mode == kModeFp8) launch_gemm8<false, false, false>(a, nvec_max, stream);
-    else launch_gemm8<false, true, false>(a, nvec_max, stream);
+    if (gemm8_producer()) {  // the producer warpgroup (INDEXCP_SCORE_G8_PRODUCER)
+      if (s.keys.gather) launch_gemm8<true, false, false, true>(a, nvec_max, stream);
+      else if (mode == kModeFp8) launch_gemm8<false, false, false, true>(a, nvec_max, stream);
+      else launch_gemm8<false, true, false, true>(a, nvec_max, stream);
+    } else {
+      if (s.keys.gather) launch_gemm8<true, false, false>(a, nvec_max, stream);
+      else if (mode == kModeFp8) launch_gemm8<false, false, false>(a, nvec_max, stream);
+      else launch_gemm8<false, true, false>(a, nvec_max, stream);
+    }
     t_last_kernel = "gemm8";
   } else if (gemm && !m8 && gemm8_enabled(false)) {
     if (s.keys.gather) launch_gemm8<true, false, true>(a, nvec_max, stream);

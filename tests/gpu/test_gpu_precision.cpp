@@ -332,7 +332,8 @@ TEST(GpuFp8Mma, GatherAndLocalScorePrefillEqualReplicated) {
 // the persistent grid (a CTA's share crosses slices: 1 CTA for all, or one per multiprocessor) and
 // the grid of CTAs per slice (1 per slice, or the default), and NVFP4 scale bytes with the sign bit
 // set (the default launch); and it is the kernel that ran (by default in both modes; compute
-// capability 9.0, a build with sm_90a code).
+// capability 9.0, a build with sm_90a code). In fp8_mma both forms: with the producer warpgroup (the
+// default: a third warpgroup fills the stages) and without it (INDEXCP_SCORE_G8_PRODUCER=0).
 TEST(GpuFp8Mma, GemmScorerEqualsTheTileScorer) {
   REQUIRE_GPU();
   const bool sm90a = gemm_scorer_here();
@@ -383,23 +384,33 @@ TEST(GpuFp8Mma, GemmScorerEqualsTheTileScorer) {
                                       plan + "' ctas '" + ctas + "' persistent '" + persist + "'" +
                                       (neg ? " negative scales" : "");
             DevArr<float> out(static_cast<size_t>(nrows) * nh * mb);
-            std::vector<uint32_t> got[2];
-            for (int tiles = 0; tiles < 2; ++tiles) {
+            // run 0: the GEMM-shaped scorer (the default: in fp8_mma with its producer warpgroup), 1:
+            // the tile scorer, 2 (fp8_mma): the GEMM-shaped scorer without the producer warpgroup
+            // (INDEXCP_SCORE_G8_PRODUCER=0)
+            ScopedEnv prod_env("INDEXCP_SCORE_G8_PRODUCER");
+            std::vector<uint32_t> got[3];
+            const int runs = prec == kF8 ? 3 : 2;
+            for (int run = 0; run < runs; ++run) {
+              const bool tiles = run == 1;
               gemm_env.set(tiles ? "0" : "");  // the default in both modes
+              prod_env.set(run == 2 ? "0" : "");
               out.fill_bytes(0x7f);  // (prefill_scores writes -inf everywhere first, then the scores)
               cuda::prefill_scores(dev_c[0], 0, batch, nrows, max_rows, h0, nh, out.get(), nullptr, prec);
               const std::string ran = cuda::detail::last_score_kernel();
               CUDA_OK(cudaDeviceSynchronize());
-              EXPECT_EQ(ran, !tiles && sm90a ? (prec == kF8 ? "gemm8" : "gemm16") : "tiles") << where;
-              got[tiles] = bits_of(out.host());
+              EXPECT_EQ(ran, !tiles && sm90a ? (prec == kF8 ? "gemm8" : "gemm16") : "tiles") << where << " run " << run;
+              got[run] = bits_of(out.host());
             }
-            int64_t differ = 0, scored = 0;
-            for (size_t i = 0; i < got[0].size(); ++i) {
-              differ += got[0][i] != got[1][i];
-              scored += got[0][i] != 0xff800000u;  // not -inf
+            for (int run = 0; run < runs; run += 2) {
+              int64_t differ = 0, scored = 0;
+              for (size_t i = 0; i < got[run].size(); ++i) {
+                differ += got[run][i] != got[1][i];
+                scored += got[run][i] != 0xff800000u;  // not -inf
+              }
+              EXPECT_EQ(differ, 0) << where << ": the GEMM-shaped scorer" << (run == 2 ? " without its producer warpgroup" : "")
+                                   << " differs from the tile scorer";
+              EXPECT_GT(scored, c.nreq == 1 ? 100 : 1000) << where << " run " << run;
             }
-            EXPECT_EQ(differ, 0) << where << ": the GEMM-shaped scorer differs from the tile scorer";
-            EXPECT_GT(scored, c.nreq == 1 ? 100 : 1000) << where;
           }
   }
 }

@@ -62,6 +62,8 @@
 
 #include <cub/block/block_scan.cuh>
 
+#include <type_traits>
+
 #include "cuda/common.cuh"
 #include "cuda/kernels.cuh"
 #include "cuda/score/ptx.cuh"
@@ -130,8 +132,27 @@ constexpr int kG8Vectors = 256;  // query vectors per CTA: 128 per warpgroup (NT
 // ring of its own in shared memory (kRawSlots blocks ahead, cp.async): piece k (8 bytes of NVFP4
 // codes or scales, 16 bytes of FP8) of thread t at (k * 256 + t) * kRawPiece of its slot, so a
 // warp's reads are contiguous.
-template <bool F16, bool NVFP4>
+// The producer warpgroup (PROD, fp8_mma only; INDEXCP_SCORE_G8_PRODUCER): a third warpgroup that
+// walks the pairs and fills every stage (FP8 keys: the copies; NVFP4 keys: the expansion, from a
+// ring of raw blocks of its own that it fills by cp.async kRawSlots blocks ahead), so that the two
+// math warpgroups only wait, issue their chains and take the maxima. Its registers and theirs
+// (setmaxnreg; the launch allows 168 per thread for 384 threads): kProdRegs for the producer,
+// kMathRegs for the math warps (128 accumulators and 32 query registers each).
+#ifndef INDEXCP_SCORE_G8P_PREGS
+#define INDEXCP_SCORE_G8P_PREGS 120
+#endif
+#ifndef INDEXCP_SCORE_G8P_MREGS
+#define INDEXCP_SCORE_G8P_MREGS 192
+#endif
+constexpr int kProdRegs = INDEXCP_SCORE_G8P_PREGS, kMathRegs = INDEXCP_SCORE_G8P_MREGS;
+static_assert(kProdRegs % 8 == 0 && kMathRegs % 8 == 0 && 128 * kProdRegs + 256 * kMathRegs <= 65536,
+              "INDEXCP_SCORE_G8P_PREGS / MREGS: multiples of 8 whose warps fit the register file");
+template <bool PROD>
+constexpr int g8_threads() { return PROD ? 384 : kG8Threads; }
+template <bool F16, bool NVFP4, bool PROD = false>
 struct G8Form {
+  static_assert(!(PROD && F16), "the producer warpgroup is a form of fp8_mma only");
+  static constexpr int kThreads = g8_threads<PROD>();
   static constexpr bool kRaw = F16 && (NVFP4 ? INDEXCP_SCORE_G16_RAW4 : INDEXCP_SCORE_G16_RAW8);  // F16: the raw ring
   static constexpr int kStages = !F16 ? INDEXCP_SCORE_G8_STAGES
                                       : INDEXCP_SCORE_G16_STAGES > 0 ? INDEXCP_SCORE_G16_STAGES : (kRaw ? 3 : 4);  // the ring
@@ -149,9 +170,9 @@ struct G8Form {
   static_assert(kStages >= (F16 ? 3 : 4), "INDEXCP_SCORE_G8_STAGES: at least 4; INDEXCP_SCORE_G16_STAGES: at least 3");
   static_assert(INDEXCP_SCORE_G8_UDESC >= 0 && INDEXCP_SCORE_G8_UDESC <= 2, "INDEXCP_SCORE_G8_UDESC: 0, 1 or 2");
 };
-template <bool F16, bool NVFP4>
+template <bool F16, bool NVFP4, bool PROD = false>
 constexpr int gemm8_smem_bytes() {
-  using S = G8Form<F16, NVFP4>;
+  using S = G8Form<F16, NVFP4, PROD>;
   return 1024 /* alignment of the swizzled stages */ + S::kStages * S::kStageBytes + S::kQBytes +
          S::kRawSlots * S::kRawSlotBytes + (2 * S::kStages + 2) * 8 /* mbarriers */ + S::kStages * 4 +
          (kPlanLocal + 2) * 4 + 8 /* alignment of the table */ + 256 * 8 /* the NVFP4 k_hat table */;
@@ -262,9 +283,18 @@ __device__ __forceinline__ bool gemm8_page(const ScoreArgs& a, const Geo& G, con
 // NVFP4 with E4M3 rounding: the k_hat table entry of scale byte g of `scales` and the mask that
 // flips every code's sign where the scale is negative (as fix_negative_scales does for the tile
 // scorer)
-__device__ __forceinline__ void g8_scale_entry(uint64_t scales, int g, const uint2* lut, uint2* l, uint32_t* neg) {
+// (lut: the table's generic address, or its shared-memory address, which the producer warpgroup
+// passes so that its loads are LDS rather than generic loads)
+__device__ __forceinline__ uint2 g8_lut(const uint2* lut, uint32_t e) { return lut[e]; }
+__device__ __forceinline__ uint2 g8_lut(uint32_t lut_s, uint32_t e) {
+  uint2 v;
+  asm("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(lut_s + 8 * e));
+  return v;
+}
+template <class LUT>
+__device__ __forceinline__ void g8_scale_entry(uint64_t scales, int g, LUT lut, uint2* l, uint32_t* neg) {
   const uint32_t e = static_cast<uint32_t>(scales >> (8 * g)) & 0xffu;
-  *l = lut[e];
+  *l = g8_lut(lut, e);
   *neg = (0u - (e >> 7)) & 0x88888888u;
 }
 
@@ -276,8 +306,9 @@ __device__ __forceinline__ void g8_scale_entry(uint64_t scales, int g, const uin
 // words c / 2 + 4 t4: half h needs words 2h + jj + 4k (jj = 0, 1; k = 0..3), rw[k] = (word 2h + 4k,
 // word 2h + 1 + 4k), of scale group h + 2k. A warp's 8 consecutive rows write 8 different chunk
 // positions per 16-byte store: no conflict.
-__device__ __forceinline__ void gemm8_expand_half(const uint2 (&rw)[4], uint64_t scales, int h, const uint2* lut,
-                                                  uint32_t row_addr, uint32_t r7) {
+template <class LUT>
+__device__ __forceinline__ void gemm8_expand_half(const uint2 (&rw)[4], uint64_t scales, int h, LUT lut, uint32_t row_addr,
+                                                  uint32_t r7) {
   uint32_t lo[2][4], hi[2][4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
@@ -415,28 +446,32 @@ __device__ __forceinline__ int64_t gemm8_slice_pairs(const ScoreArgs& a, int32_t
 // threads into the stage (half a row each) instead of copied. F16: the fp32 form (G8Form): wgmma
 // m64n128k16 on fp16 operands, both in shared memory; every key passes through the threads (FP8
 // bytes converted, NVFP4 expanded: half a row each) and the queries are converted once per request.
-template <bool GATHER, bool NVFP4, bool F16 = false>
-__global__ void __launch_bounds__(kG8Threads, 1) gemm8_score_kernel(const ScoreArgs a) {
+// PROD: the producer warpgroup (G8Form; fp8_mma only): threads 256 .. 383 fill the stages, the two
+// math warpgroups (threads 0 .. 255) only multiply.
+template <bool GATHER, bool NVFP4, bool F16 = false, bool PROD = false>
+__global__ void __launch_bounds__(g8_threads<PROD>(), 1) gemm8_score_kernel(const ScoreArgs a) {
 #if INDEXCP_HAVE_WGMMA
-  using S = G8Form<F16, NVFP4>;
+  using S = G8Form<F16, NVFP4, PROD>;
   constexpr int kStages = S::kStages;
+  constexpr int kT = S::kThreads;
   extern __shared__ __align__(128) unsigned char g8_smem[];
-  __shared__ typename cub::BlockScan<int32_t, kG8Threads>::TempStorage scan_tmp;
+  __shared__ typename cub::BlockScan<int32_t, kT>::TempStorage scan_tmp;
   uint8_t* stages = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(g8_smem) + 1023) & ~uintptr_t{1023});
   uint8_t* qtile = stages + kStages * S::kStageBytes;  // F16: [2 halves][256 vectors][128 bytes]
   uint8_t* rawring = qtile + S::kQBytes;               // F16: [kRawSlots][kRawPieces][256 threads][kRawPiece]
   uint64_t* full = reinterpret_cast<uint64_t*>(rawring + S::kRawSlots * S::kRawSlotBytes);  // [kStages]
   uint64_t* empty = full + kStages;                                   // [kStages]
   uint64_t* turn = empty + kStages;  // [2]: warpgroup 0 / 1 has issued its chains of a block
-  int32_t* smeta = reinterpret_cast<int32_t*>(turn + 2);  // [kStages]: the block of a stage
+  int32_t* smeta = reinterpret_cast<int32_t*>(turn + 2);  // [kStages]: the block of a stage (-1: PROD, the request's end)
   int32_t* splan = smeta + kStages;                       // [kPlanLocal + 2]
   uint2* lut = reinterpret_cast<uint2*>((reinterpret_cast<uintptr_t>(splan + kPlanLocal + 2) + 7) & ~uintptr_t{7});  // [256] (NVFP4)
   if constexpr (NVFP4)
-    for (int i = threadIdx.x; i < 256; i += kG8Threads) lut[i] = g_khat_lut[i];
+    for (int i = threadIdx.x; i < 256; i += kT) lut[i] = g_khat_lut[i];
   if (threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) {
-      mbar_init(&full[i], kG8Threads + 1);  // every thread's copies, and thread 0's block index
-      mbar_init(&empty[i], kG8Threads);     // every thread's chains done
+      // every filling thread's copies (expansion), and the block index of the first of them
+      mbar_init(&full[i], (PROD ? 128 : kG8Threads) + 1);
+      mbar_init(&empty[i], kG8Threads);     // every math thread's chains done
     }
     mbar_init(&turn[0], kG8Threads / 2);  // the threads of one warpgroup
     mbar_init(&turn[1], kG8Threads / 2);
@@ -458,10 +493,10 @@ __global__ void __launch_bounds__(kG8Threads, 1) gemm8_score_kernel(const ScoreA
   int64_t pre = 0;          // persistent: the pairs of slices before y
   if (persist) {
     __shared__ int64_t s_first[2];  // the first slice of the share and the pairs before it
-    using Scan64 = cub::BlockScan<int64_t, kG8Threads>;
+    using Scan64 = cub::BlockScan<int64_t, kT>;
     __shared__ typename Scan64::TempStorage scan64;
     int64_t W = 0, t_first = 0;  // t_first: this thread's slice of the first 256 (not read again below)
-    for (int32_t y0 = 0; y0 < nslices; y0 += kG8Threads) {
+    for (int32_t y0 = 0; y0 < nslices; y0 += kT) {
       const int32_t yy = y0 + static_cast<int32_t>(threadIdx.x);
       const int64_t t = yy < nslices ? gemm8_slice_pairs<GATHER>(a, yy) : 0;
       if (y0 == 0) t_first = t;
@@ -474,7 +509,7 @@ __global__ void __launch_bounds__(kG8Threads, 1) gemm8_score_kernel(const ScoreA
     hi = W * (blockIdx.x + 1) / gridDim.x;
     if (lo >= hi) return;
     int64_t carry = 0;
-    for (int32_t y0 = 0; y0 < nslices; y0 += kG8Threads) {
+    for (int32_t y0 = 0; y0 < nslices; y0 += kT) {
       const int32_t yy = y0 + static_cast<int32_t>(threadIdx.x);
       const int64_t t = y0 == 0 ? t_first : yy < nslices ? gemm8_slice_pairs<GATHER>(a, yy) : 0;
       int64_t excl, tot;
@@ -491,353 +526,474 @@ __global__ void __launch_bounds__(kG8Threads, 1) gemm8_score_kernel(const ScoreA
     pre = s_first[1];
   }
 
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
-  const int wg = warp >> 2, wq = warp & 3;
-  const Geo G(a.keys);
-  // this lane's 4-byte piece p = lane of a key row: logical chunk p & 7, word p >> 3 (see the top),
-  // stored in row r at r * 128 + (((p & 7) ^ (r & 7)) << 4) + 4 (p >> 3); warp w copies rows 16 w ..
-  uint32_t lane_off[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i)
-    lane_off[i] = static_cast<uint32_t>((16 * warp + i) * kHeadDim) +
-                  ((static_cast<uint32_t>(lane & 7) ^ static_cast<uint32_t>(i)) << 4) + (static_cast<uint32_t>(lane >> 3) << 2);
-  // INDEXCP_SCORE_DEBUG's bits (ScoreArgs::debug) in a build with -DINDEXCP_SCORE_G8_DEBUG=1 only:
-  // the checks cost registers and time in the kernel that is measured
-  const int32_t dbg = INDEXCP_SCORE_G8_DEBUG ? a.debug : 0;
-  const bool q_aligned = (reinterpret_cast<uintptr_t>(a.q) & (F16 ? 15u : 3u)) == 0;
-  const uint32_t ring0 = smem_u32(stages), q0 = smem_u32(qtile);
-  const uint32_t raw0 = smem_u32(rawring) + threadIdx.x * S::kRawPiece;  // F16: this thread's piece 0 of slot 0
-  // the cursors, over the requests: the next stage to fill and its phase, the next to multiply
-  int32_t ist = 0, cst = 0;
-  uint32_t iph = 0, cph = 0;
-  uint32_t chains = 0;  // blocks this warpgroup has issued its chains of (the turn barriers' phases)
+  // The rest runs as one role: `producer` true for the producer warpgroup (PROD), false for the
+  // math warpgroups (and every thread without PROD). PROD: each role is its own copy of the code,
+  // so that ptxas can give each the registers of its setmaxnreg (the launch bounds give 168 per
+  // thread; every warp of a warpgroup executes the same setmaxnreg; code both roles reached would
+  // keep 168 for both).
+  auto run = [&](auto role) {
+    constexpr bool producer = decltype(role)::value;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+    const int wg = warp >> 2, wq = warp & 3;
+    const Geo G(a.keys);
+    // this lane's 4-byte piece p = lane of a key row: logical chunk p & 7, word p >> 3 (see the top),
+    // stored in row r at r * 128 + (((p & 7) ^ (r & 7)) << 4) + 4 (p >> 3); warp w copies rows 16 w ..
+    uint32_t lane_off[8];
+  #pragma unroll
+    for (int i = 0; i < 8; ++i)
+      lane_off[i] = static_cast<uint32_t>((16 * warp + i) * kHeadDim) +
+                    ((static_cast<uint32_t>(lane & 7) ^ static_cast<uint32_t>(i)) << 4) + (static_cast<uint32_t>(lane >> 3) << 2);
+    // INDEXCP_SCORE_DEBUG's bits (ScoreArgs::debug) in a build with -DINDEXCP_SCORE_G8_DEBUG=1 only:
+    // the checks cost registers and time in the kernel that is measured
+    const int32_t dbg = INDEXCP_SCORE_G8_DEBUG ? a.debug : 0;
+    const bool q_aligned = (reinterpret_cast<uintptr_t>(a.q) & (F16 ? 15u : 3u)) == 0;
+    const uint32_t ring0 = smem_u32(stages), q0 = smem_u32(qtile);
+    const uint32_t raw0 = smem_u32(rawring) + threadIdx.x * S::kRawPiece;  // F16: this thread's piece 0 of slot 0
+    // the cursors, over the requests: the next stage to fill and its phase, the next to multiply
+    int32_t ist = 0, cst = 0;
+    uint32_t iph = 0, cph = 0;
+    uint32_t chains = 0;  // blocks this warpgroup has issued its chains of (the turn barriers' phases)
 
-  for (;;) {  // the segments: one (non-persistent), or the slices of the share
-    const int32_t n0 = y * kG8Vectors;
-    const Slice sl = a.plan_local ? Slice{n0, (n0 + kG8Vectors - 1) / a.nh} : Slice{};
-    const int32_t* plan = a.plan;
-    if (a.plan_local) {
-      __syncthreads();  // the previous segment's reads of splan are done
-      plan_block<GATHER, kG8Threads>(a, sl, splan, scan_tmp);
-      plan = splan;
-    }
-    const int64_t total = plan[B];
-    int64_t p0, p1;
-    if (persist) {
-      p0 = lo > pre ? lo - pre : 0;
-      p1 = hi - pre < total ? hi - pre : total;
-    } else {
-      p0 = total * blockIdx.x / gridDim.x;
-      p1 = total * (blockIdx.x + 1) / gridDim.x;
-    }
-    int32_t b_first = 0;
-    {
-      int32_t blo = 0, bhi = B - 1;  // largest b with plan[b] <= p0
-      while (blo < bhi) {
-        const int32_t mid = (blo + bhi + 1) >> 1;
-        if (plan[mid] <= p0) blo = mid;
-        else bhi = mid - 1;
+    for (;;) {  // the segments: one (non-persistent), or the slices of the share
+      const int32_t n0 = y * kG8Vectors;
+      const Slice sl = a.plan_local ? Slice{n0, (n0 + kG8Vectors - 1) / a.nh} : Slice{};
+      const int32_t* plan = a.plan;
+      if (a.plan_local) {
+        __syncthreads();  // the previous segment's reads of splan are done
+        plan_block<GATHER, kT>(a, sl, splan, scan_tmp);
+        plan = splan;
       }
-      b_first = uniform(blo);
-    }
-    if (p0 >= p1) b_first = B;  // nothing of this slice
-    for (int32_t b = b_first; b < B && uniform(plan[b] < p1); ++b) {
-      const int64_t lo = plan[b] > p0 ? plan[b] : p0, hi = plan[b + 1] < p1 ? plan[b + 1] : p1;
-      const int32_t s0 = uniform(static_cast<int32_t>(lo - plan[b])), s1 = uniform(static_cast<int32_t>(hi - plan[b]));
-      if (s0 >= s1) continue;
-      const ReqInfo ri = request_info(a, b, sl);
-      const int32_t nvec = ri.cnt * a.nh;
-      if (!uniform(n0 < nvec)) continue;  // a slice past the request's vectors scores nothing
-      // A: query vectors v(m, r) = n0 + 128 wg + 64 m + 16 wq + g + 8 r (rows g, g + 8 of this warp's
-      // 16 in m64 tile m), raw E4M3 words of form8_dim: k-step s8 takes dims 32 t4 + 8 s8 + 0..3 (a0
-      // row g, a1 row g + 8) and + 4..7 (a2, a3)
-      const int32_t nw = n0 + 128 * wg;  // this warpgroup's first vector
-      uint32_t qa[2][4][4];  // (fp8_mma)
-      // the fp32 form: vector n0 + tid as fp16 into row tid of the query tile
-      auto f16_queries = [&]() {
-        __syncthreads();  // every thread's chains of the previous request are done (wg_wait0)
-        const int32_t v = n0 + static_cast<int32_t>(threadIdx.x);
-        uint4 x[2][4];
-  #pragma unroll
-        for (int h = 0; h < 2; ++h)
-  #pragma unroll
-          for (int t4q = 0; t4q < 4; ++t4q) x[h][t4q] = make_uint4(0u, 0u, 0u, 0u);  // (+0.0) past nvec
-        if (v < nvec) {
-          const int32_t i = v / a.nh, hh = v % a.nh;
-          const uint8_t* qv = a.q + ((static_cast<int64_t>(ri.row0) + i) * a.heads + a.h0 + hh) * kHeadDim;
-  #pragma unroll
-          for (int h = 0; h < 2; ++h)
-  #pragma unroll
-            for (int t4q = 0; t4q < 4; ++t4q) x[h][t4q] = g16_load16(qv + 32 * t4q + 16 * h, q_aligned);
-        }
-  #pragma unroll
-        for (int h = 0; h < 2; ++h)
-          g16_store_fp8(x[h], q0 + static_cast<uint32_t>(h * kG8Vectors * 128 + threadIdx.x * 128), threadIdx.x & 7u);
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stores, for wgmma (async proxy)
-        __syncthreads();
-      };
-      if constexpr (F16) {
-        if (!S::kKeysFirst) f16_queries();
+      const int64_t total = plan[B];
+      int64_t p0, p1;
+      if (persist) {
+        p0 = lo > pre ? lo - pre : 0;
+        p1 = hi - pre < total ? hi - pre : total;
       } else {
-  #pragma unroll
-      for (int m = 0; m < 2; ++m)
-  #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int32_t v = nw + 64 * m + 16 * wq + g + 8 * r;
-          const uint8_t* qv = nullptr;
+        p0 = total * blockIdx.x / gridDim.x;
+        p1 = total * (blockIdx.x + 1) / gridDim.x;
+      }
+      int32_t b_first = 0;
+      {
+        int32_t blo = 0, bhi = B - 1;  // largest b with plan[b] <= p0
+        while (blo < bhi) {
+          const int32_t mid = (blo + bhi + 1) >> 1;
+          if (plan[mid] <= p0) blo = mid;
+          else bhi = mid - 1;
+        }
+        b_first = uniform(blo);
+      }
+      if (p0 >= p1) b_first = B;  // nothing of this slice
+      for (int32_t b = b_first; b < B && uniform(plan[b] < p1); ++b) {
+        const int64_t lo = plan[b] > p0 ? plan[b] : p0, hi = plan[b + 1] < p1 ? plan[b + 1] : p1;
+        const int32_t s0 = uniform(static_cast<int32_t>(lo - plan[b])), s1 = uniform(static_cast<int32_t>(hi - plan[b]));
+        if (s0 >= s1) continue;
+        const ReqInfo ri = request_info(a, b, sl);
+        const int32_t nvec = ri.cnt * a.nh;
+        if (!uniform(n0 < nvec)) continue;  // a slice past the request's vectors scores nothing
+        // A: query vectors v(m, r) = n0 + 128 wg + 64 m + 16 wq + g + 8 r (rows g, g + 8 of this warp's
+        // 16 in m64 tile m), raw E4M3 words of form8_dim: k-step s8 takes dims 32 t4 + 8 s8 + 0..3 (a0
+        // row g, a1 row g + 8) and + 4..7 (a2, a3)
+        const int32_t nw = n0 + 128 * wg;  // this warpgroup's first vector
+        [[maybe_unused]] uint32_t qa[2][4][4];  // (fp8_mma)
+        // the fp32 form: vector n0 + tid as fp16 into row tid of the query tile
+        auto f16_queries = [&]() {
+          __syncthreads();  // every thread's chains of the previous request are done (wg_wait0)
+          const int32_t v = n0 + static_cast<int32_t>(threadIdx.x);
+          uint4 x[2][4];
+    #pragma unroll
+          for (int h = 0; h < 2; ++h)
+    #pragma unroll
+            for (int t4q = 0; t4q < 4; ++t4q) x[h][t4q] = make_uint4(0u, 0u, 0u, 0u);  // (+0.0) past nvec
           if (v < nvec) {
             const int32_t i = v / a.nh, hh = v % a.nh;
-            qv = a.q + ((static_cast<int64_t>(ri.row0) + i) * a.heads + a.h0 + hh) * kHeadDim + 32 * t4;
+            const uint8_t* qv = a.q + ((static_cast<int64_t>(ri.row0) + i) * a.heads + a.h0 + hh) * kHeadDim;
+    #pragma unroll
+            for (int h = 0; h < 2; ++h)
+    #pragma unroll
+              for (int t4q = 0; t4q < 4; ++t4q) x[h][t4q] = g16_load16(qv + 32 * t4q + 16 * h, q_aligned);
           }
-  #pragma unroll
-          for (int s8 = 0; s8 < 4; ++s8)
-  #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-              uint32_t w = 0u;  // (= +0.0 in E4M3) for vectors past nvec
-              if (qv != nullptr) {
-                const uint8_t* p = qv + 8 * s8 + 4 * half;
-                w = g8_q_word(p, q_aligned);
-              }
-              qa[m][s8][2 * half + r] = w;
+    #pragma unroll
+          for (int h = 0; h < 2; ++h)
+            g16_store_fp8(x[h], q0 + static_cast<uint32_t>(h * kG8Vectors * 128 + threadIdx.x * 128), threadIdx.x & 7u);
+          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stores, for wgmma (async proxy)
+          __syncthreads();
+        };
+        if constexpr (F16) {
+          if (!S::kKeysFirst) f16_queries();
+        } else if (!producer) {
+    #pragma unroll
+        for (int m = 0; m < 2; ++m)
+    #pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int32_t v = nw + 64 * m + 16 * wq + g + 8 * r;
+            const uint8_t* qv = nullptr;
+            if (v < nvec) {
+              const int32_t i = v / a.nh, hh = v % a.nh;
+              qv = a.q + ((static_cast<int64_t>(ri.row0) + i) * a.heads + a.h0 + hh) * kHeadDim + 32 * t4;
             }
+    #pragma unroll
+            for (int s8 = 0; s8 < 4; ++s8)
+    #pragma unroll
+              for (int half = 0; half < 2; ++half) {
+                uint32_t w = 0u;  // (= +0.0 in E4M3) for vectors past nvec
+                if (qv != nullptr) {
+                  const uint8_t* p = qv + 8 * s8 + 4 * half;
+                  w = g8_q_word(p, q_aligned);
+                }
+                qa[m][s8][2 * half + r] = w;
+              }
+          }
         }
-      }
-      // the score this lane writes: value t4 of the epilogue, vector v(t4 >> 1, t4 & 1)
-      int64_t obase = 0;
-      int32_t olim = 0;
-      {
-        const int32_t v = nw + 64 * (t4 >> 1) + 16 * wq + g + 8 * (t4 & 1);
-        if (v < nvec) {
-          const int32_t i = v / a.nh, hh = v % a.nh;
-          olim = (ri.seq - ri.cnt + i) >> 7;  // historical blocks of this row (spec/indexer.md section 2)
-          obase = ((static_cast<int64_t>(ri.row0) + i) * a.nh + hh) * a.max_blocks;
+        // the score this lane writes: value t4 of the epilogue, vector v(t4 >> 1, t4 & 1)
+        int64_t obase = 0;
+        int32_t olim = 0;
+        if (!producer) {
+          const int32_t v = nw + 64 * (t4 >> 1) + 16 * wq + g + 8 * (t4 & 1);
+          if (v < nvec) {
+            const int32_t i = v / a.nh, hh = v % a.nh;
+            olim = (ri.seq - ri.cnt + i) >> 7;  // historical blocks of this row (spec/indexer.md section 2)
+            obase = ((static_cast<int64_t>(ri.row0) + i) * a.nh + hh) * a.max_blocks;
+          }
         }
-      }
 
-      // the request's blocks: pairs s0 .. s1 - 1, each copied by all 8 warps and multiplied by both
-      // warpgroups
-      int32_t next = s0;  // the next pair to look at
-      int32_t pend = gemm8_bt<GATHER>(a, G, b, ri, next);  // its block-table entry
-      int head = 0;       // blocks of this request issued
-      // the next scored pair into stage ist, once both warpgroups are done with it: copied (FP8 keys)
-      auto next_stage = [&]() {
-        mbar_wait(&empty[ist], iph ^ 1u);  // (a fresh barrier: the phase before it counts as done)
-        return ring0 + static_cast<uint32_t>(ist * S::kStageBytes);
-      };
-      auto published = [&](int32_t blk) {  // the stage's block index; the cursor moves on
-        if (threadIdx.x == 0) {
-          smeta[ist] = blk;
-          mbar_arrive(&full[ist]);
-        }
-        if (++ist == kStages) {
-          ist = 0;
-          iph ^= 1u;
-        }
-        ++head;
-      };
-      // the next scored pair from `next` on (uniform): its block and the source of its row j (the
-      // copies: 16 w; the threads' own rows: xrow), or for NVFP4 its page and first row there;
-      // false past s1
-      auto walk = [&](int j, int32_t* blk, const uint8_t** src, int32_t* j0) -> bool {
-        while (next < s1) {
-          const int32_t s = next, page = pend;
-          ++next;
-          pend = next < s1 ? gemm8_bt<GATHER>(a, G, b, ri, next) : -1;  // used by the next refill
-          if constexpr (NVFP4) {
-            if (gemm8_page(a, G, ri, s, page, blk, src, j0)) return true;
-          } else {
-            if (gemm8_rows<GATHER>(a, G, ri, s, page, j, blk, src)) return true;
+        // the request's blocks: pairs s0 .. s1 - 1, each copied by all 8 warps and multiplied by both
+        // warpgroups
+        int32_t next = s0;  // the next pair to look at
+        int32_t pend = gemm8_bt<GATHER>(a, G, b, ri, next);  // its block-table entry
+        int head = 0;       // blocks of this request issued
+        // the next scored pair into stage ist, once both warpgroups are done with it: copied (FP8 keys)
+        auto next_stage = [&]() {
+          mbar_wait(&empty[ist], iph ^ 1u);  // (a fresh barrier: the phase before it counts as done)
+          return ring0 + static_cast<uint32_t>(ist * S::kStageBytes);
+        };
+        auto published = [&](int32_t blk) {  // the stage's block index; the cursor moves on
+          if (threadIdx.x == (PROD ? kG8Threads : 0)) {
+            smeta[ist] = blk;
+            mbar_arrive(&full[ist]);
           }
-        }
-        return false;
-      };
-      // Keys through the threads: each expands (converts) half xh of row xrow into the stage: from
-      // registers loaded one pair ahead (load_next: fp8_mma NVFP4, and fp32 without the ring, NVFP4
-      // by default), or in fp32 with the ring (kRaw, E4M3 rows by default) from the thread's raw
-      // ring (raw_fill: kRawSlots pairs ahead, cp.async; rblk: their blocks, oldest first, -1 past
-      // the request's pairs; rslot: the slot of the oldest).
-      // (PAIRLANES: lanes 0-7 of each 16 take half 0 of 8 rows, lanes 8-15 half 1 of the same rows;
-      // otherwise row tid & 127, half wg)
-      const int xrow = INDEXCP_SCORE_G8_PAIRLANES ? static_cast<int>(((threadIdx.x >> 4) << 3) | (threadIdx.x & 7))
-                                                 : static_cast<int>(threadIdx.x & 127);
-      const int xh = INDEXCP_SCORE_G8_PAIRLANES ? static_cast<int>((threadIdx.x >> 3) & 1) : wg;  // the half of the row
-      uint2 rw[4];       // NVFP4: code words 2 xh + 4 t4 (.x) and + 1 (.y)
-      uint64_t rsc = 0;  // NVFP4: the row's scale bytes
-      uint4 rx[4];       // F16, E4M3 keys: bytes 32 t4 + 16 xh .. + 15 of the row (g16_store_fp8)
-      int32_t raw_blk = -1;
-      int32_t rblk[S::kRawSlots > 0 ? S::kRawSlots : 1] = {};
-      int rslot = 0;
-      auto load_next = [&]() {  // the register path (fp8_mma NVFP4; fp32 without the raw ring)
-        int32_t blk, j0;
-        const uint8_t* src;
-        raw_blk = -1;
-        if (!walk(xrow, &blk, &src, &j0)) return;
-        raw_blk = blk;
-        if (dbg & 2) return;  // benchmarking aid: no key loads
-        if constexpr (NVFP4) {
-          const uint8_t* rowp = src + static_cast<int64_t>(j0 + xrow) * kNvfp4DataBytesPerKey + 8 * xh;
-  #pragma unroll
-          for (int k = 0; k < 4; ++k) rw[k] = *reinterpret_cast<const uint2*>(rowp + 16 * k);
-          rsc = *reinterpret_cast<const uint64_t*>(src + G.scale0 + static_cast<int64_t>(j0 + xrow) * kNvfp4ScalesPerKey);
-        } else {
-  #pragma unroll
-          for (int k = 0; k < 4; ++k) rx[k] = *reinterpret_cast<const uint4*>(src + 32 * k + 16 * xh);
-        }
-      };
-      auto raw_fill = [&](int slot) -> int32_t {  // F16: the next pair's pieces into `slot` (one group)
-        int32_t blk = -1, j0 = 0;
-        const uint8_t* src;
-        if (walk(xrow, &blk, &src, &j0) && !(dbg & 2)) {
-          const uint32_t d = raw0 + static_cast<uint32_t>(slot * S::kRawSlotBytes);
-          constexpr uint32_t kStride = kG8Threads * S::kRawPiece;  // between a thread's pieces
-          if constexpr (NVFP4) {
-            const uint8_t* rowp = src + static_cast<int64_t>(j0 + xrow) * kNvfp4DataBytesPerKey + 8 * xh;
-  #pragma unroll
-            for (int k = 0; k < 4; ++k) cp_async_n<8>(d + k * kStride, rowp + 16 * k);
-            cp_async_n<8>(d + 4 * kStride, src + G.scale0 + static_cast<int64_t>(j0 + xrow) * kNvfp4ScalesPerKey);
-          } else {
-  #pragma unroll
-            for (int k = 0; k < 4; ++k) cp_async_n<16>(d + k * kStride, src + 32 * k + 16 * xh);
+          if (++ist == kStages) {
+            ist = 0;
+            iph ^= 1u;
           }
-        }
-        cp_async_commit();
-        return blk;
-      };
-      // this thread's half row of block blk, in registers (rw / rsc or rx), expanded (converted) into
-      // the next stage, fenced for the async proxy and arrived on the stage's `full` barrier
-      auto fill_stage = [&](int32_t blk) {
-        const uint32_t base = next_stage();
-        if (dbg & 2) {  // (benchmarking aid: no expansion; the stage keeps what it held)
-        } else if constexpr (!F16) {
-          gemm8_expand_half(rw, rsc, xh, lut, base + static_cast<uint32_t>(xrow * kHeadDim), xrow & 7);
-        } else {
-          const uint32_t dst = base + static_cast<uint32_t>(xh * S::kHalfBytes + xrow * 128), r7 = xrow & 7;
-          if constexpr (NVFP4) g16_expand_half(rw, rsc, xh, lut, dst, r7);
-          else g16_store_fp8(rx, dst, r7);
-        }
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stores, for wgmma (async proxy)
-        mbar_arrive(&full[ist]);
-        published(blk);
-      };
-      auto issue = [&]() {
-        if constexpr (S::kRawSlots > 0) {
-          const int32_t blk = rblk[0];
-          if (!uniform(blk >= 0)) return;
-          cp_async_wait<S::kRawSlots - 1>();  // the oldest slot's copies (this thread's own) have landed
-          const uint32_t d = raw0 + static_cast<uint32_t>(rslot * S::kRawSlotBytes);
-          constexpr uint32_t kStride = kG8Threads * S::kRawPiece;
-          if constexpr (NVFP4) {
-  #pragma unroll
-            for (int k = 0; k < 4; ++k)
-              asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];" : "=r"(rw[k].x), "=r"(rw[k].y) : "r"(d + k * kStride) : "memory");
-            asm volatile("ld.shared.b64 %0, [%1];" : "=l"(rsc) : "r"(d + 4 * kStride) : "memory");
-          } else {
-  #pragma unroll
-            for (int k = 0; k < 4; ++k)
-              asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
-                           : "=r"(rx[k].x), "=r"(rx[k].y), "=r"(rx[k].z), "=r"(rx[k].w)
-                           : "r"(d + k * kStride)
-                           : "memory");
+          ++head;
+        };
+        // the next scored pair from `next` on (uniform): its block and the source of its row j (the
+        // copies: 16 w; the threads' own rows: xrow), or for NVFP4 its page and first row there;
+        // false past s1
+        // (src16: FP8 keys, also the source of row j + 16, which need not follow row j + 15 in the
+        // gather's rows)
+        auto walk = [&](int j, int32_t* blk, const uint8_t** src, int32_t* j0, const uint8_t** src16 = nullptr) -> bool {
+          while (next < s1) {
+            const int32_t s = next, page = pend;
+            ++next;
+            pend = next < s1 ? gemm8_bt<GATHER>(a, G, b, ri, next) : -1;  // used by the next refill
+            if constexpr (NVFP4) {
+              if (gemm8_page(a, G, ri, s, page, blk, src, j0)) return true;
+            } else {
+              if (gemm8_rows<GATHER>(a, G, ri, s, page, j, blk, src)) {
+                if (src16 != nullptr) gemm8_rows<GATHER>(a, G, ri, s, page, j + 16, blk, src16);
+                return true;
+              }
+            }
           }
-          fill_stage(blk);
-          // the slot's bytes are in the stage now: refill it with the pair kRawSlots on
-  #pragma unroll
-          for (int i = 0; i + 1 < S::kRawSlots; ++i) rblk[i] = rblk[i + 1];
-          rblk[S::kRawSlots - 1] = raw_fill(rslot);
-          rslot = rslot + 1 == S::kRawSlots ? 0 : rslot + 1;
-        } else if constexpr (NVFP4 || F16) {
-          if (!uniform(raw_blk >= 0)) return;
-          fill_stage(raw_blk);
-          load_next();
-        } else {
+          return false;
+        };
+        // Keys through the threads: each expands (converts) half xh of row xrow into the stage: from
+        // registers loaded one pair ahead (load_next: fp8_mma NVFP4, and fp32 without the ring, NVFP4
+        // by default), or in fp32 with the ring (kRaw, E4M3 rows by default) from the thread's raw
+        // ring (raw_fill: kRawSlots pairs ahead, cp.async; rblk: their blocks, oldest first, -1 past
+        // the request's pairs; rslot: the slot of the oldest).
+        // (PAIRLANES: lanes 0-7 of each 16 take half 0 of 8 rows, lanes 8-15 half 1 of the same rows;
+        // otherwise row tid & 127, half wg)
+        const int xrow = INDEXCP_SCORE_G8_PAIRLANES ? static_cast<int>(((threadIdx.x >> 4) << 3) | (threadIdx.x & 7))
+                                                   : static_cast<int>(threadIdx.x & 127);
+        const int xh = INDEXCP_SCORE_G8_PAIRLANES ? static_cast<int>((threadIdx.x >> 3) & 1) : wg;  // the half of the row
+        [[maybe_unused]] uint2 rw[4];  // NVFP4: code words 2 xh + 4 t4 (.x) and + 1 (.y)
+        [[maybe_unused]] uint64_t rsc = 0;  // NVFP4: the row's scale bytes
+        [[maybe_unused]] uint4 rx[4];  // F16, E4M3 keys: bytes 32 t4 + 16 xh .. + 15 of the row (g16_store_fp8)
+        int32_t raw_blk = -1;
+        [[maybe_unused]] int32_t rblk[S::kRawSlots > 0 ? S::kRawSlots : 1] = {};
+        [[maybe_unused]] int rslot = 0;
+        auto load_next = [&]() {  // the register path (fp8_mma NVFP4; fp32 without the raw ring)
           int32_t blk, j0;
           const uint8_t* src;
-          if (!walk(16 * warp, &blk, &src, &j0)) return;
-          const uint32_t base = next_stage();
-          uint32_t dst[8];
-  #pragma unroll
-          for (int i = 0; i < 8; ++i) dst[i] = base + lane_off[i];
-          cp_async_run(dst, src + 4 * lane);
-          cp_async_arrive(&full[ist]);
-          published(blk);
-        }
-      };
-      if constexpr (S::kRawSlots > 0) {
-  #pragma unroll
-        for (int i = 0; i < S::kRawSlots; ++i) rblk[i] = raw_fill(i);
-        rslot = 0;
-      } else if constexpr (NVFP4 || F16) {
-        load_next();
-      }
-      if constexpr (F16 && S::kKeysFirst) f16_queries();  // the key loads above in flight meanwhile
-  #pragma unroll 1
-      for (int i = 0; i < S::kAhead; ++i) issue();
-      float acc[2][16][4];
-  #pragma unroll 1
-      for (int t = 0; t < uniform(head); ++t) {
-        if (S::kEarly) issue();  // the refill before this block's chains (whose issue may wait for the tensor cores)
-        mbar_wait(&full[cst], cph);
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the copies, for wgmma (async proxy)
-        const int32_t blk = smeta[cst];
-        const uint32_t sa = ring0 + static_cast<uint32_t>(cst * S::kStageBytes);
-        if (wg == 0 && chains > 0) mbar_wait(&turn[1], (chains - 1) & 1u);  // warpgroup 1 issued block c - 1
-        if (wg == 1) mbar_wait(&turn[0], chains & 1u);                     // warpgroup 0 issued block c
-        wg_fence();
-        if (dbg & 1) {  // benchmarking aid: no MMA (nor maxima)
-        } else if constexpr (F16) {  // k-step s: 32 bytes at 32 (s & 3) of half s >> 2 of both tiles
-          // (kUDesc: the descriptors as warp-uniform bases qd, kd plus the offset / 16)
-          const uint32_t qw = q0 + static_cast<uint32_t>(128 * wg * 128);
-          const uint32_t qd = S::kUDesc ? static_cast<uint32_t>(uniform(static_cast<int32_t>(sw128_desc_lo(qw)))) : 0u;
-          const uint32_t kd = S::kUDesc ? static_cast<uint32_t>(uniform(static_cast<int32_t>(sw128_desc_lo(sa)))) : 0u;
-  #pragma unroll
-          for (int m = 0; m < 2; ++m)
-  #pragma unroll
-            for (int s = 0; s < 8; ++s) {
-              const uint32_t qo = static_cast<uint32_t>((s >> 2) * kG8Vectors * 128 + 64 * m * 128 + 32 * (s & 3));
-              const uint32_t ko = static_cast<uint32_t>((s >> 2) * S::kHalfBytes + 32 * (s & 3));
-              wgmma16_ss(acc[m], S::kUDesc ? sw128_desc_of(qd + (qo >> 4)) : sw128_desc(qw + qo),
-                         S::kUDesc ? sw128_desc_of(kd + (ko >> 4)) : sw128_desc(sa + ko), s > 0);
-              if (kG8Split && s == 7) wg_commit();
+          raw_blk = -1;
+          if (!walk(xrow, &blk, &src, &j0)) return;
+          raw_blk = blk;
+          if (dbg & 2) return;  // benchmarking aid: no key loads
+          if constexpr (NVFP4) {
+            const uint8_t* rowp = src + static_cast<int64_t>(j0 + xrow) * kNvfp4DataBytesPerKey + 8 * xh;
+    #pragma unroll
+            for (int k = 0; k < 4; ++k) rw[k] = *reinterpret_cast<const uint2*>(rowp + 16 * k);
+            rsc = *reinterpret_cast<const uint64_t*>(src + G.scale0 + static_cast<int64_t>(j0 + xrow) * kNvfp4ScalesPerKey);
+          } else {
+    #pragma unroll
+            for (int k = 0; k < 4; ++k) rx[k] = *reinterpret_cast<const uint4*>(src + 32 * k + 16 * xh);
+          }
+        };
+        auto raw_fill = [&](int slot) -> int32_t {  // F16: the next pair's pieces into `slot` (one group)
+          int32_t blk = -1, j0 = 0;
+          const uint8_t* src;
+          if (walk(xrow, &blk, &src, &j0) && !(dbg & 2)) {
+            const uint32_t d = raw0 + static_cast<uint32_t>(slot * S::kRawSlotBytes);
+            constexpr uint32_t kStride = kG8Threads * S::kRawPiece;  // between a thread's pieces
+            if constexpr (NVFP4) {
+              const uint8_t* rowp = src + static_cast<int64_t>(j0 + xrow) * kNvfp4DataBytesPerKey + 8 * xh;
+    #pragma unroll
+              for (int k = 0; k < 4; ++k) cp_async_n<8>(d + k * kStride, rowp + 16 * k);
+              cp_async_n<8>(d + 4 * kStride, src + G.scale0 + static_cast<int64_t>(j0 + xrow) * kNvfp4ScalesPerKey);
+            } else {
+    #pragma unroll
+              for (int k = 0; k < 4; ++k) cp_async_n<16>(d + k * kStride, src + 32 * k + 16 * xh);
             }
-        } else {
-          const uint32_t kd = S::kUDesc ? static_cast<uint32_t>(uniform(static_cast<int32_t>(sw128_desc_lo(sa)))) : 0u;
-  #pragma unroll
-          for (int m = 0; m < 2; ++m) {
-  #pragma unroll
-            for (int s8 = 0; s8 < 4; ++s8)
-              wgmma8_tile<16>(acc[m], qa[m][s8], S::kUDesc ? sw128_desc_of(kd + 2 * s8) : sw128_desc(sa + 32 * s8), s8 > 0);
-            if (kG8Split) wg_commit();
+          }
+          cp_async_commit();
+          return blk;
+        };
+        // this thread's half row of block blk, in registers (rw / rsc or rx), expanded (converted) into
+        // the next stage, fenced for the async proxy and arrived on the stage's `full` barrier
+        auto fill_stage = [&](int32_t blk) {
+          const uint32_t base = next_stage();
+          if (dbg & 2) {  // (benchmarking aid: no expansion; the stage keeps what it held)
+          } else if constexpr (!F16) {
+            gemm8_expand_half(rw, rsc, xh, lut, base + static_cast<uint32_t>(xrow * kHeadDim), xrow & 7);
+          } else {
+            const uint32_t dst = base + static_cast<uint32_t>(xh * S::kHalfBytes + xrow * 128), r7 = xrow & 7;
+            if constexpr (NVFP4) g16_expand_half(rw, rsc, xh, lut, dst, r7);
+            else g16_store_fp8(rx, dst, r7);
+          }
+          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stores, for wgmma (async proxy)
+          mbar_arrive(&full[ist]);
+          published(blk);
+        };
+        auto issue = [&]() {
+          if constexpr (PROD) {  // (the producer warpgroup fills the stages)
+          } else if constexpr (S::kRawSlots > 0) {
+            const int32_t blk = rblk[0];
+            if (!uniform(blk >= 0)) return;
+            cp_async_wait<S::kRawSlots - 1>();  // the oldest slot's copies (this thread's own) have landed
+            const uint32_t d = raw0 + static_cast<uint32_t>(rslot * S::kRawSlotBytes);
+            constexpr uint32_t kStride = kG8Threads * S::kRawPiece;
+            if constexpr (NVFP4) {
+    #pragma unroll
+              for (int k = 0; k < 4; ++k)
+                asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];" : "=r"(rw[k].x), "=r"(rw[k].y) : "r"(d + k * kStride) : "memory");
+              asm volatile("ld.shared.b64 %0, [%1];" : "=l"(rsc) : "r"(d + 4 * kStride) : "memory");
+            } else {
+    #pragma unroll
+              for (int k = 0; k < 4; ++k)
+                asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                             : "=r"(rx[k].x), "=r"(rx[k].y), "=r"(rx[k].z), "=r"(rx[k].w)
+                             : "r"(d + k * kStride)
+                             : "memory");
+            }
+            fill_stage(blk);
+            // the slot's bytes are in the stage now: refill it with the pair kRawSlots on
+    #pragma unroll
+            for (int i = 0; i + 1 < S::kRawSlots; ++i) rblk[i] = rblk[i + 1];
+            rblk[S::kRawSlots - 1] = raw_fill(rslot);
+            rslot = rslot + 1 == S::kRawSlots ? 0 : rslot + 1;
+          } else if constexpr (NVFP4 || F16) {
+            if (!uniform(raw_blk >= 0)) return;
+            fill_stage(raw_blk);
+            load_next();
+          } else {
+            int32_t blk, j0;
+            const uint8_t* src;
+            if (!walk(16 * warp, &blk, &src, &j0)) return;
+            const uint32_t base = next_stage();
+            uint32_t dst[8];
+    #pragma unroll
+            for (int i = 0; i < 8; ++i) dst[i] = base + lane_off[i];
+            cp_async_run(dst, src + 4 * lane);
+            cp_async_arrive(&full[ist]);
+            published(blk);
+          }
+        };
+        if constexpr (PROD) {
+          if constexpr (producer) {  // the producer warpgroup: every scored pair of the request into a stage, then -1
+            [[maybe_unused]] const int pt = static_cast<int>(threadIdx.x) - kG8Threads;  // 0 .. 127
+            if constexpr (NVFP4) {
+              // row pt of block blk, its codes x (piece c: bytes 16 c .. 16 c + 15) and scale bytes
+              // sc, expanded (both halves) into the next stage, fenced for the async proxy, arrived
+              const uint32_t lut_s = smem_u32(lut);
+              auto expand_row = [&](const uint4 (&x)[4], uint64_t sc, int32_t blk) {
+                const uint32_t base = next_stage() + static_cast<uint32_t>(pt * kHeadDim);
+    #pragma unroll
+                for (int h = 0; h < 2 && !(dbg & 2); ++h) {  // (benchmarking aid: no expansion)
+                  // half h: code words 2 h + 4 k and 2 h + 1 + 4 k = piece k's words 2 h, 2 h + 1
+                  uint2 hw[4];
+    #pragma unroll
+                  for (int k = 0; k < 4; ++k) hw[k] = h ? make_uint2(x[k].z, x[k].w) : make_uint2(x[k].x, x[k].y);
+                  gemm8_expand_half(hw, sc, h, lut_s, base, static_cast<uint32_t>(pt & 7));
+                }
+                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stores, for wgmma (async proxy)
+                mbar_arrive(&full[ist]);
+                published(blk);
+              };
+              // the next scored pair's row, one pair ahead in registers (a ring of raw blocks in shared
+              // memory, filled by cp.async 4 blocks ahead, was 12% slower: bench/NOTES.md v25)
+              uint4 nx[4] = {};
+              uint64_t nsc = 0;
+              auto load_p = [&]() -> int32_t {
+                int32_t blk, j0;
+                const uint8_t* pg;
+                if (!walk(0, &blk, &pg, &j0)) return -1;
+                const uint8_t* rowp = pg + static_cast<int64_t>(j0 + pt) * kNvfp4DataBytesPerKey;
+    #pragma unroll
+                for (int c = 0; c < 4; ++c) nx[c] = *reinterpret_cast<const uint4*>(rowp + 16 * c);
+                nsc = *reinterpret_cast<const uint64_t*>(pg + G.scale0 + static_cast<int64_t>(j0 + pt) * kNvfp4ScalesPerKey);
+                return blk;
+              };
+              int32_t nblk = load_p();
+    #pragma unroll 1
+              while (uniform(nblk) >= 0) {
+                const uint4 x[4] = {nx[0], nx[1], nx[2], nx[3]};
+                const uint64_t sc = nsc;
+                const int32_t blk = nblk;
+                nblk = load_p();
+                expand_row(x, sc, blk);
+              }
+            } else {
+              // the copies: producer warp pw copies rows 32 pw .. 32 pw + 31, 4 bytes per lane per row
+              const int pw = warp - kG8Threads / 32;
+              uint32_t poff[8];
+    #pragma unroll
+              for (int i = 0; i < 8; ++i)
+                poff[i] = static_cast<uint32_t>((32 * pw + i) * kHeadDim) +
+                          ((static_cast<uint32_t>(lane & 7) ^ static_cast<uint32_t>(i)) << 4) + (static_cast<uint32_t>(lane >> 3) << 2);
+              for (;;) {
+                int32_t blk, j0;
+                const uint8_t *src, *src16;
+                if (!walk(32 * pw, &blk, &src, &j0, &src16)) break;
+                const uint32_t base = next_stage();
+                uint32_t dst[8];
+    #pragma unroll
+                for (int i = 0; i < 8; ++i) dst[i] = base + poff[i];
+                cp_async_run(dst, src + 4 * lane);
+    #pragma unroll
+                for (int i = 0; i < 8; ++i) dst[i] += 16 * kHeadDim;
+                cp_async_run(dst, src16 + 4 * lane);
+                cp_async_arrive(&full[ist]);
+                published(blk);
+              }
+            }
+            next_stage();  // the request's end: a stage with block -1, no keys
+            mbar_arrive(&full[ist]);
+            published(-1);
+            continue;
+          }
+        } else if constexpr (S::kRawSlots > 0) {
+    #pragma unroll
+          for (int i = 0; i < S::kRawSlots; ++i) rblk[i] = raw_fill(i);
+          rslot = 0;
+        } else if constexpr (NVFP4 || F16) {
+          load_next();
+        }
+        if constexpr (!producer) {  // the math warpgroups (all threads without PROD)
+          if constexpr (F16 && S::kKeysFirst) f16_queries();  // the key loads above in flight meanwhile
+          if constexpr (!PROD) {
+      #pragma unroll 1
+            for (int i = 0; i < S::kAhead; ++i) issue();
+          }
+          float acc[2][16][4];
+      #pragma unroll 1
+          for (int t = 0; PROD || t < uniform(head); ++t) {
+            if (S::kEarly) issue();  // the refill before this block's chains (whose issue may wait for the tensor cores)
+            mbar_wait(&full[cst], cph);
+            // the copies, for wgmma (async proxy). Not with the producer's NVFP4 expansion: its threads
+            // fence their own stores before they arrive, and the barrier orders the rest (a fence here
+            // is a MEMBAR.ALL.CTA, which also waits for this warp's score stores)
+            if constexpr (!(PROD && NVFP4)) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            int32_t blk;
+            if constexpr (PROD) {  // (an LDS: the generic load of smeta[cst] is on this loop's critical path)
+              asm volatile("ld.shared.b32 %0, [%1];" : "=r"(blk) : "r"(smem_u32(smeta + cst)) : "memory");
+            } else {
+              blk = smeta[cst];
+            }
+            if constexpr (PROD) {
+              if (uniform(blk) < 0) {  // the request's end (the producer's stage with no keys)
+                mbar_arrive(&empty[cst]);
+                if (++cst == kStages) {
+                  cst = 0;
+                  cph ^= 1u;
+                }
+                break;
+              }
+            }
+            const uint32_t sa = ring0 + static_cast<uint32_t>(cst * S::kStageBytes);
+            if (wg == 0 && chains > 0) mbar_wait(&turn[1], (chains - 1) & 1u);  // warpgroup 1 issued block c - 1
+            if (wg == 1) mbar_wait(&turn[0], chains & 1u);                     // warpgroup 0 issued block c
+            wg_fence();
+            if (dbg & 1) {  // benchmarking aid: no MMA (nor maxima)
+            } else if constexpr (F16) {  // k-step s: 32 bytes at 32 (s & 3) of half s >> 2 of both tiles
+              // (kUDesc: the descriptors as warp-uniform bases qd, kd plus the offset / 16)
+              const uint32_t qw = q0 + static_cast<uint32_t>(128 * wg * 128);
+              const uint32_t qd = S::kUDesc ? static_cast<uint32_t>(uniform(static_cast<int32_t>(sw128_desc_lo(qw)))) : 0u;
+              const uint32_t kd = S::kUDesc ? static_cast<uint32_t>(uniform(static_cast<int32_t>(sw128_desc_lo(sa)))) : 0u;
+      #pragma unroll
+              for (int m = 0; m < 2; ++m)
+      #pragma unroll
+                for (int s = 0; s < 8; ++s) {
+                  const uint32_t qo = static_cast<uint32_t>((s >> 2) * kG8Vectors * 128 + 64 * m * 128 + 32 * (s & 3));
+                  const uint32_t ko = static_cast<uint32_t>((s >> 2) * S::kHalfBytes + 32 * (s & 3));
+                  wgmma16_ss(acc[m], S::kUDesc ? sw128_desc_of(qd + (qo >> 4)) : sw128_desc(qw + qo),
+                             S::kUDesc ? sw128_desc_of(kd + (ko >> 4)) : sw128_desc(sa + ko), s > 0);
+                  if (kG8Split && s == 7) wg_commit();
+                }
+            } else {
+              const uint32_t kd = S::kUDesc ? static_cast<uint32_t>(uniform(static_cast<int32_t>(sw128_desc_lo(sa)))) : 0u;
+      #pragma unroll
+              for (int m = 0; m < 2; ++m) {
+      #pragma unroll
+                for (int s8 = 0; s8 < 4; ++s8)
+                  wgmma8_tile<16>(acc[m], qa[m][s8], S::kUDesc ? sw128_desc_of(kd + 2 * s8) : sw128_desc(sa + 32 * s8), s8 > 0);
+                if (kG8Split) wg_commit();
+              }
+            }
+            if (!kG8Split) wg_commit();
+            mbar_arrive(&turn[wg]);
+            ++chains;
+            if (!S::kEarly) issue();  // the refill (a block-table load, then the copies or the expansion) while the chains run
+            float v[4] = {};
+            if (kG8Split) {  // tile 0's maxima while tile 1's chain runs
+              wg_wait<1>();
+              fence_acc<16>(acc[0]);
+              if (!(dbg & 5)) gemm8_block_max(acc[0], &v[0], &v[1]);
+            }
+            wg_wait<0>();
+            fence_acc<16>(acc[0]);
+            fence_acc<16>(acc[1]);
+            mbar_arrive(&empty[cst]);
+            if (++cst == kStages) {
+              cst = 0;
+              cph ^= 1u;
+            }
+            if (!(dbg & 5)) {  // (4: no maxima)
+              if (!kG8Split) gemm8_block_max(acc[0], &v[0], &v[1]);
+              gemm8_block_max(acc[1], &v[2], &v[3]);
+              gemm8_store(v, t4, blk, a.scores, obase, olim);
+            }
           }
         }
-        if (!kG8Split) wg_commit();
-        mbar_arrive(&turn[wg]);
-        ++chains;
-        if (!S::kEarly) issue();  // the refill (a block-table load, then the copies or the expansion) while the chains run
-        float v[4] = {};
-        if (kG8Split) {  // tile 0's maxima while tile 1's chain runs
-          wg_wait<1>();
-          fence_acc<16>(acc[0]);
-          if (!(dbg & 5)) gemm8_block_max(acc[0], &v[0], &v[1]);
-        }
-        wg_wait<0>();
-        fence_acc<16>(acc[0]);
-        fence_acc<16>(acc[1]);
-        mbar_arrive(&empty[cst]);
-        if (++cst == kStages) {
-          cst = 0;
-          cph ^= 1u;
-        }
-        if (!(dbg & 5)) {  // (4: no maxima)
-          if (!kG8Split) gemm8_block_max(acc[0], &v[0], &v[1]);
-          gemm8_block_max(acc[1], &v[2], &v[3]);
-          gemm8_store(v, t4, blk, a.scores, obase, olim);
-        }
       }
+      if (!persist) break;
+      pre += total;
+      ++y;
+      if (!uniform(pre < hi && y < nslices)) break;
     }
-    if (!persist) break;
-    pre += total;
-    ++y;
-    if (!uniform(pre < hi && y < nslices)) break;
+  };
+  if constexpr (PROD) {
+    if (threadIdx.x >= kG8Threads) {
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProdRegs));
+      run(std::true_type{});
+      asm volatile("cp.async.wait_all;" ::: "memory");  // (its last copies land before it exits)
+    } else {
+      asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kMathRegs));
+      run(std::false_type{});
+    }
+  } else {
+    run(std::false_type{});
   }
 #else
   __trap();  // no wgmma in this code: the launcher never picks this kernel then (gemm8_enabled)
