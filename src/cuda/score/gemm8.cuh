@@ -901,10 +901,7 @@ __global__ void __launch_bounds__(g8_threads<PROD>(), 1) gemm8_score_kernel(cons
           for (int t = 0; PROD || t < uniform(head); ++t) {
             if (S::kEarly) issue();  // the refill before this block's chains (whose issue may wait for the tensor cores)
             mbar_wait(&full[cst], cph);
-            // the copies, for wgmma (async proxy). Not with the producer's NVFP4 expansion: its threads
-            // fence their own stores before they arrive, and the barrier orders the rest (a fence here
-            // is a MEMBAR.ALL.CTA, which also waits for this warp's score stores)
-            if constexpr (!(PROD && NVFP4)) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the copies, for wgmma (async proxy)
             int32_t blk;
             if constexpr (PROD) {  // (an LDS: the generic load of smeta[cst] is on this loop's critical path)
               asm volatile("ld.shared.b32 %0, [%1];" : "=r"(blk) : "r"(smem_u32(smeta + cst)) : "memory");
