@@ -43,6 +43,17 @@
 // done it arrives on the stage's `empty` barrier, which a thread waits on before it copies into the
 // stage again. The counters (stage, phase) run on over the requests of the CTA.
 //
+// The producer form (PROD; fp8_mma's default, INDEXCP_SCORE_G8_PRODUCER=0 keeps the form above): a
+// third warpgroup (threads 256 .. 383) walks the pairs and fills every stage, so that the two math
+// warpgroups only wait on `full`, issue their chains, take the maxima and arrive on `empty`. FP8
+// keys: producer warp p copies rows 32 p .. 32 p + 31 of a block (the copies above, two runs of 16
+// rows). NVFP4 keys: producer thread t expands both halves of row t, its codes and scale bytes
+// loaded one pair ahead in registers. At the end of each request the producer publishes a stage
+// with block -1 and no keys, which ends the math warpgroups' loop over the request's blocks. The
+// roles split right after the persistent prologue, each with its own setmaxnreg (kProdRegs,
+// kMathRegs) and its own copy of the code (ptxas ignores setmaxnreg for code both roles reach).
+// Measured: bench/NOTES.md v25 (an H100: the replicated NVFP4 scorer 13% faster, the FP8 gather's 4%).
+//
 // The fp32 form (F16): wgmma m64n128k16 with fp32 accumulation, both operands fp16 in shared memory
 // in the 128-byte swizzle (a 256-byte row is two 128-byte halves of 64 dimensions, 16 KiB per half
 // of a stage): the CTA's 256 query vectors are converted from E4M3 once per request (64 KiB), and
@@ -132,12 +143,10 @@ constexpr int kG8Vectors = 256;  // query vectors per CTA: 128 per warpgroup (NT
 // ring of its own in shared memory (kRawSlots blocks ahead, cp.async): piece k (8 bytes of NVFP4
 // codes or scales, 16 bytes of FP8) of thread t at (k * 256 + t) * kRawPiece of its slot, so a
 // warp's reads are contiguous.
-// The producer warpgroup (PROD, fp8_mma only; INDEXCP_SCORE_G8_PRODUCER): a third warpgroup that
-// walks the pairs and fills every stage (FP8 keys: the copies; NVFP4 keys: the expansion, from a
-// ring of raw blocks of its own that it fills by cp.async kRawSlots blocks ahead), so that the two
-// math warpgroups only wait, issue their chains and take the maxima. Its registers and theirs
-// (setmaxnreg; the launch allows 168 per thread for 384 threads): kProdRegs for the producer,
-// kMathRegs for the math warps (128 accumulators and 32 query registers each).
+// The producer form (PROD, fp8_mma only; see the top): its warpgroup's registers and the math
+// warpgroups' (setmaxnreg; the launch allows 168 per thread for 384 threads): kProdRegs for the
+// producer, kMathRegs for the math warps (128 accumulators and 32 query registers each; 192 / 120
+// leave no spill in either role; a first producer, with a ring of raw blocks, spilled at 40 and 56).
 #ifndef INDEXCP_SCORE_G8P_PREGS
 #define INDEXCP_SCORE_G8P_PREGS 120
 #endif
@@ -446,7 +455,7 @@ __device__ __forceinline__ int64_t gemm8_slice_pairs(const ScoreArgs& a, int32_t
 // threads into the stage (half a row each) instead of copied. F16: the fp32 form (G8Form): wgmma
 // m64n128k16 on fp16 operands, both in shared memory; every key passes through the threads (FP8
 // bytes converted, NVFP4 expanded: half a row each) and the queries are converted once per request.
-// PROD: the producer warpgroup (G8Form; fp8_mma only): threads 256 .. 383 fill the stages, the two
+// PROD: the producer form (fp8_mma only; see the top): threads 256 .. 383 fill the stages, the two
 // math warpgroups (threads 0 .. 255) only multiply.
 template <bool GATHER, bool NVFP4, bool F16 = false, bool PROD = false>
 __global__ void __launch_bounds__(g8_threads<PROD>(), 1) gemm8_score_kernel(const ScoreArgs a) {
