@@ -134,11 +134,12 @@ const std::vector<Knob>& knob_table() {
        "1 when CMAKE_CUDA_ARCHITECTURES holds 90a (the default): the build has the sm_90a code of the GEMM-shaped "
        "scorer (both precision modes), which the launcher may then pick (INDEXCP_HAVE_SM90A_CODE in the top-level CMakeLists.txt; set for indexcp_cuda and test_gpu)."},
       {"INDEXCP_SCORE_G8_STAGES", K::kMacro, "12", "build",
-       "16 KiB key stages of the GEMM-shaped fp8_mma scorer's ring, which both warpgroups read (at least 4; "
-       "stages - 2 blocks in flight)."},
+       "16 KiB key stages of the GEMM-shaped fp8_mma scorer's ring, which both math warpgroups read (at least 4; "
+       "stages - 2 blocks in flight in the two-warpgroup form, up to all of them with the producer warpgroup)."},
       {"INDEXCP_SCORE_G8P_PREGS", K::kMacro, "120", "build",
        "registers per thread of the fp8_mma GEMM-shaped scorer's producer warpgroup (setmaxnreg; a multiple of 8, "
-       "with 128 x PREGS + 256 x MREGS <= 65,536)."},
+       "24 <= PREGS <= 168 <= MREGS <= 256 and 128 x PREGS + 256 x MREGS <= 384 x 168, the registers the launch "
+       "allocates: a larger split would block in setmaxnreg)."},
       {"INDEXCP_SCORE_G8P_MREGS", K::kMacro, "192", "build",
        "registers per thread of its two math warpgroups beside the producer warpgroup (setmaxnreg; 128 accumulators "
        "and 32 query registers each)."},
@@ -166,10 +167,12 @@ const std::vector<Knob>& knob_table() {
       {"INDEXCP_SCORE_G8_PAIRLANES", K::kMacro, "1", "build",
        "Keys that pass through the threads of the GEMM-shaped scorer (NVFP4; E4M3 rows in the fp32 form): 1: a warp "
        "expands both halves of 16 rows (8 rows per 16 lanes), so its loads cover whole rows; 0: thread t takes half "
-       "t / 128 of row t % 128 (slower: bench/NOTES.md v23)."},
+       "t / 128 of row t % 128 (slower: bench/NOTES.md v23). Not read by the producer warpgroup (fp8_mma's default), "
+       "whose thread t expands both halves of row t."},
       {"INDEXCP_SCORE_G8_DEBUG", K::kMacro, "0", "build",
        "1: the GEMM-shaped scorer honours INDEXCP_SCORE_DEBUG (1 no MMA, 2 no key loads or expansion where keys pass "
-       "through the threads, 4 no block maxima); 0: it ignores it (the checks cost registers)."},
+       "through the threads, 4 no block maxima; the producer warpgroup still loads its NVFP4 codes under 2, and skips "
+       "only the expansion); 0: it ignores it (the checks cost registers)."},
       {"INDEXCP_SCORE_G8_SPLIT", K::kMacro, "1", "build",
        "1: the GEMM-shaped scorer commits each block's two m64 chains as two wgmma groups and takes the first tile's "
        "block maxima while the second runs; 0: one group (both forms)."},

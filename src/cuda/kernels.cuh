@@ -69,8 +69,9 @@ inline void check_score_mode(KvDtype dtype, KRounding mode, ScorePrecision preci
 /// The scorer: block maxima of q . k_hat over the source's rows (indexer.md sections 2-3, 5.1).
 void launch_score(const ScoreLaunch& s, cudaStream_t stream);
 
-/// Which scorer kernel the calling thread's last launch_score enqueued: "gemm8" / "gemm16" (the
-/// GEMM-shaped kernel of E4M3 keys, score/gemm8.cuh, in its fp8_mma / fp32 form), "tiles"
+/// Which scorer kernel the calling thread's last launch_score enqueued: "gemm8p" / "gemm8" / "gemm16"
+/// (the GEMM-shaped kernel of E4M3 keys, score/gemm8.cuh, in its fp8_mma form with and without the
+/// producer warpgroup / its fp32 form), "tiles"
 /// (score_kernel) or "" (none yet, or a launch with no work). For tests and benchmarks.
 const char* last_score_kernel();
 

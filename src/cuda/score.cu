@@ -493,7 +493,7 @@ template <bool GATHER, bool NVFP4, bool F16, bool PROD = false>
 void launch_gemm8(const ScoreArgs& a0, int64_t nvec_max, cudaStream_t stream) {
   constexpr int smem = gemm8_smem_bytes<F16, NVFP4, PROD>();
   constexpr int threads = g8_threads<PROD>();
-  static_assert(smem + 5120 <= 227 * 1024, "shared memory: the dynamic part and up to 5 KiB of static (cub's scans; 4.5 KiB by ptxas)");
+  static_assert(smem + 5120 <= 227 * 1024, "shared memory: the dynamic part and up to 5 KiB of static (cub's scans: 3.5 KiB by ptxas, 5 KiB in the producer form)");
   const int64_t gy = ceil_div(nvec_max, static_cast<int64_t>(kG8Vectors));
   auto k = gemm8_score_kernel<GATHER, NVFP4, F16, PROD>;
   check(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
@@ -678,7 +678,7 @@ void launch_score(const ScoreLaunch& s, cudaStream_t stream) {
       else if (mode == kModeFp8) launch_gemm8<false, false, false>(a, nvec_max, stream);
       else launch_gemm8<false, true, false>(a, nvec_max, stream);
     }
-    t_last_kernel = "gemm8";
+    t_last_kernel = gemm8_producer() ? "gemm8p" : "gemm8";
   } else if (gemm && !m8 && gemm8_enabled(false)) {
     if (s.keys.gather) launch_gemm8<true, false, true>(a, nvec_max, stream);
     else if (mode == kModeFp8) launch_gemm8<false, false, true>(a, nvec_max, stream);

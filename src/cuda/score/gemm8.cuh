@@ -6,8 +6,8 @@
 // flag F16; INDEXCP_SCORE_GEMM16=0 keeps the tile scorer; its paragraph is the last): the same shape on
 // fp16 operands. Private to score.cu (src/cuda/score.cu has the overview).
 //
-// Shape (the fp8_mma form; the fp32 form differs as its paragraph at the end says): 256 threads =
-// two warpgroups; the CTA holds 256 query vectors of its slice, 128 per warpgroup, as the A operand
+// Shape (the fp8_mma form; the fp32 form differs as its paragraph at the end says; the producer
+// form adds a third warpgroup, see its paragraph): 256 threads = two warpgroups; the CTA holds 256 query vectors of its slice, 128 per warpgroup, as the A operand
 // in registers (two m64 tiles of raw E4M3 bytes per warpgroup, loaded once per request: 32
 // registers). A stage is one selection block: 128 keys x 128 bytes (16 KiB) in the
 // 128-byte-swizzled K-major layout, read by both warpgroups: each multiplies it with two chains of
@@ -33,8 +33,9 @@
 // GPU suite compares these scores with score_kernel's bit for bit (All/GpuFp8MmaForm.*,
 // GpuFp8Mma.GemmScorerEqualsTheTileScorer).
 //
-// Pipeline: one ring of G8Form::kStages stages shared by the warpgroups, kStages - 2 blocks in
-// flight, two mbarriers per stage. FP8 keys in fp8_mma: every warp copies 16 rows of a block (warp
+// Pipeline (the two-warpgroup form; the producer form's paragraph follows): one ring of
+// G8Form::kStages stages shared by the warpgroups, kStages - 2 blocks in flight, two mbarriers per
+// stage. FP8 keys in fp8_mma: every warp copies 16 rows of a block (warp
 // w: rows 16 w .. 16 w + 15, 4 bytes per lane per row); every thread arrives on the stage's `full`
 // barrier when its copies land (cp.async.mbarrier.arrive.noinc), or, for NVFP4 keys (E4M3 rounding,
 // R >= 128), expands half a row into it (gemm8_expand_half), fences its stores for the async proxy
@@ -52,6 +53,12 @@
 // with block -1 and no keys, which ends the math warpgroups' loop over the request's blocks. The
 // roles split right after the persistent prologue, each with its own setmaxnreg (kProdRegs,
 // kMathRegs) and its own copy of the code (ptxas ignores setmaxnreg for code both roles reach).
+// The producer may fill all kStages stages ahead; its leader (thread 256) writes a stage's block
+// index. Both roles still meet at the CTA barriers of each persistent segment's plan (plan_block),
+// each at its own copy of the bar.sync: every warp belongs to one role and both roles reach the
+// same barriers in the same order (the loops' bounds come from the plan alone), the pattern of
+// warp-specialized kernels; the ring drains at each segment's end (the producer waits there).
+// INDEXCP_SCORE_DEBUG's bit 2 (no key loads) is not honoured by the producer's loads.
 // Measured: bench/NOTES.md v25 (an H100: the replicated NVFP4 scorer 13% faster, the FP8 gather's 4%).
 //
 // The fp32 form (F16): wgmma m64n128k16 with fp32 accumulation, both operands fp16 in shared memory
@@ -154,8 +161,15 @@ constexpr int kG8Vectors = 256;  // query vectors per CTA: 128 per warpgroup (NT
 #define INDEXCP_SCORE_G8P_MREGS 192
 #endif
 constexpr int kProdRegs = INDEXCP_SCORE_G8P_PREGS, kMathRegs = INDEXCP_SCORE_G8P_MREGS;
-static_assert(kProdRegs % 8 == 0 && kMathRegs % 8 == 0 && 128 * kProdRegs + 256 * kMathRegs <= 65536,
-              "INDEXCP_SCORE_G8P_PREGS / MREGS: multiples of 8 whose warps fit the register file");
+// The launch gives each of the 384 threads kLaunchRegs (the launch bounds' 65,536 / 384, rounded down
+// to a multiple of 8); setmaxnreg.inc takes registers from what the producer's setmaxnreg.dec gave
+// back to the CTA's pool, and blocks (here: forever) when the pool is short. So the split must fit
+// what the launch allocated, not the register file.
+constexpr int kLaunchRegs = (65536 / 384) & ~7;  // 168
+static_assert(kProdRegs % 8 == 0 && kMathRegs % 8 == 0 && kProdRegs >= 24 && kProdRegs <= kLaunchRegs &&
+                  kMathRegs >= kLaunchRegs && kMathRegs <= 256 && 128 * kProdRegs + 256 * kMathRegs <= 384 * kLaunchRegs,
+              "INDEXCP_SCORE_G8P_PREGS / MREGS: multiples of 8, 24 <= PREGS <= 168 <= MREGS <= 256, and "
+              "128 x PREGS + 256 x MREGS <= 384 x 168 (the registers the launch allocates)");
 template <bool PROD>
 constexpr int g8_threads() { return PROD ? 384 : kG8Threads; }
 template <bool F16, bool NVFP4, bool PROD = false>
@@ -293,7 +307,9 @@ __device__ __forceinline__ bool gemm8_page(const ScoreArgs& a, const Geo& G, con
 // flips every code's sign where the scale is negative (as fix_negative_scales does for the tile
 // scorer)
 // (lut: the table's generic address, or its shared-memory address, which the producer warpgroup
-// passes so that its loads are LDS rather than generic loads)
+// passes so that its loads are LDS rather than generic loads; that asm is not volatile and has no
+// memory clobber, which is safe because the table is written once, before the kernel's first
+// __syncthreads, and e comes from loads made after it)
 __device__ __forceinline__ uint2 g8_lut(const uint2* lut, uint32_t e) { return lut[e]; }
 __device__ __forceinline__ uint2 g8_lut(uint32_t lut_s, uint32_t e) {
   uint2 v;
@@ -910,7 +926,9 @@ __global__ void __launch_bounds__(g8_threads<PROD>(), 1) gemm8_score_kernel(cons
           for (int t = 0; PROD || t < uniform(head); ++t) {
             if (S::kEarly) issue();  // the refill before this block's chains (whose issue may wait for the tensor cores)
             mbar_wait(&full[cst], cph);
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the copies, for wgmma (async proxy)
+            // the copies, for wgmma (async proxy). Redundant for the producer's NVFP4 stages (its threads
+            // fence their own stores before they arrive), but taking it out made them slower (v25)
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
             int32_t blk;
             if constexpr (PROD) {  // (an LDS: the generic load of smeta[cst] is on this loop's critical path)
               asm volatile("ld.shared.b32 %0, [%1];" : "=r"(blk) : "r"(smem_u32(smeta + cst)) : "memory");
