@@ -62,17 +62,18 @@ TEST(ScoreForm, PrmtMatchesThePtxDefinition) {
 }
 
 // the k_hat table of one scale byte holds the CPU reference's k_hat of each magnitude (both sides
-// round with formats.hpp: what this checks is the packing, one byte per magnitude, sign clear)
-TEST(ScoreForm, KhatEntryPacksTheReferenceRoundingOfEachMagnitude) {
+// round with formats.hpp: what this checks is the packing, one byte per magnitude) with the
+// scale's sign in every byte's top bit
+TEST(ScoreForm, KhatEntryPacksTheReferenceRoundingOfEachMagnitudeAndTheScaleSign) {
   for (int sc = 0; sc < 256; ++sc) {
     uint32_t lo = 0, hi = 0;
     form_khat_entry(static_cast<uint8_t>(sc), &lo, &hi);
     for (int c = 0; c < 8; ++c) {
       const uint8_t byte = static_cast<uint8_t>(((c < 4 ? lo : hi) >> (8 * (c & 3))) & 0xFFu);
       const float want = std::fabs(nvfp4_khat(static_cast<uint8_t>(c), static_cast<uint8_t>(sc & 0x7f), KRounding::kE4m3));
-      EXPECT_LT(byte, 0x80u) << "scale " << sc << " code " << c;
-      if (std::isnan(want)) continue;  // a NaN scale byte (0x7f): never written by the quantizer
-      EXPECT_EQ(e4m3_decode(byte), want) << "scale " << sc << " code " << c;
+      EXPECT_EQ(byte & 0x80u, static_cast<unsigned>(sc & 0x80)) << "scale " << sc << " code " << c;
+      if (std::isnan(want)) continue;  // a NaN scale byte (0x7f, 0xff): never written by the quantizer
+      EXPECT_EQ(e4m3_decode(static_cast<uint8_t>(byte & 0x7fu)), want) << "scale " << sc << " code " << c;
     }
   }
 }
@@ -97,25 +98,38 @@ TEST(ScoreForm, Nvfp4E4m3ExpansionPutsEachDimensionWhereFormDimSays) {
   }
 }
 
-// A negative scale byte (never written by the quantizer): the scorer looks the table up without
-// the scale's sign and flips every code's sign instead (w ^ 0x88888888, tiles.cuh), which gives
-// the reference's k_hat of the negative scale.
-TEST(ScoreForm, NegativeScalesByFlippingTheCodeSigns) {
+// A negative scale byte (never written by the quantizer, but possible in a cache filled by other
+// software): the table entry carries the scale's sign, so the expansion of the codes as stored
+// gives the reference's k_hat of the negative scale, sign and -0 included. The bytes are those of
+// the scorers' earlier form (the table without the sign, every code's sign flipped: w ^
+// 0x88888888), for every scale byte, NaN ones included, so the scores keep their bits.
+TEST(ScoreForm, NegativeScalesByTheTableEntrysSign) {
   std::mt19937 rng(17);
   for (int it = 0; it < 20000; ++it) {
     const uint32_t w = rng();
     const uint8_t sc = static_cast<uint8_t>(0x80u | (rng() % 0x7f));
     uint32_t lo = 0, hi = 0, h[4];
     form_khat_entry(sc, &lo, &hi);
-    form_expand_e4m3(w ^ 0x88888888u, lo, hi, h);
+    form_expand_e4m3(w, lo, hi, h);
     for (int p = 0; p < 4; ++p)
       for (int jj = 0; jj < 2; ++jj) {
         const int d = dim_of(0, 0, p, jj);
         const uint8_t code = static_cast<uint8_t>((w >> (4 * d)) & 0xFu);
-        ASSERT_EQ(half_value(half_of(h[p], jj)), nvfp4_khat(code, sc, KRounding::kE4m3))
-            << std::hex << "w " << w << " scale " << +sc << " pair " << p << " half " << jj;
+        const float got = half_value(half_of(h[p], jj)), want = nvfp4_khat(code, sc, KRounding::kE4m3);
+        ASSERT_EQ(got, want) << std::hex << "w " << w << " scale " << +sc << " pair " << p << " half " << jj;
+        ASSERT_EQ(std::signbit(got), std::signbit(want)) << std::hex << "w " << w << " scale " << +sc << " code " << +code;
       }
   }
+  for (int sc = 0; sc < 256; ++sc)
+    for (const uint32_t w : {0u, 0xFFFFFFFFu, 0x88888888u, 0x77777777u, 0x76543210u, 0xFEDCBA98u, 0x19A2B3C4u}) {
+      uint32_t lo = 0, hi = 0, blo = 0, bhi = 0, olo = 0, ohi = 0;
+      form_khat_entry(static_cast<uint8_t>(sc), &lo, &hi);
+      form_khat_bytes(w, lo, hi, &blo, &bhi);
+      const uint32_t flip = (sc & 0x80) ? 0x88888888u : 0u;
+      form_khat_bytes(w ^ flip, lo & 0x7F7F7F7Fu, hi & 0x7F7F7F7Fu, &olo, &ohi);
+      EXPECT_EQ(blo, olo) << std::hex << "scale " << sc << " w " << w;
+      EXPECT_EQ(bhi, ohi) << std::hex << "scale " << sc << " w " << w;
+    }
 }
 
 TEST(ScoreForm, Nvfp4ExactExpansionPutsEachDimensionWhereFormDimSays) {
@@ -195,8 +209,8 @@ TEST(ScoreForm, Fp8MmaKSlotsAreTheFp16FormsDimensions) {
 }
 
 // The signed E4M3 bytes the fp8_mma form multiplies: byte c of lo (codes 0..3) / hi (4..7) is the
-// reference's k_hat of code c as an E4M3 byte, sign (and -0) included, for positive and (by the
-// code-sign flip) negative scale bytes; the fp16 form's pairs are their conversions.
+// reference's k_hat of code c as an E4M3 byte, sign (and -0) included, for positive and negative
+// scale bytes; the fp16 form's pairs are their conversions.
 TEST(ScoreForm, KhatBytesAreTheReferenceE4m3OfEachCode) {
   std::mt19937 rng(19);
   for (int it = 0; it < 20000; ++it) {
@@ -205,8 +219,8 @@ TEST(ScoreForm, KhatBytesAreTheReferenceE4m3OfEachCode) {
     const uint8_t sc = static_cast<uint8_t>((neg ? 0x80u : 0u) | (rng() % 0x7f));
     uint32_t lo = 0, hi = 0, blo = 0, bhi = 0, h[4];
     form_khat_entry(sc, &lo, &hi);
-    form_khat_bytes(neg ? w ^ 0x88888888u : w, lo, hi, &blo, &bhi);
-    form_expand_e4m3(neg ? w ^ 0x88888888u : w, lo, hi, h);
+    form_khat_bytes(w, lo, hi, &blo, &bhi);
+    form_expand_e4m3(w, lo, hi, h);
     for (int c = 0; c < 8; ++c) {
       const uint8_t code = static_cast<uint8_t>((w >> (4 * c)) & 0xFu);
       const uint8_t byte = static_cast<uint8_t>(((c < 4 ? blo : bhi) >> (8 * (c & 3))) & 0xFFu);

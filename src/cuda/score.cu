@@ -377,8 +377,6 @@ __global__ void __launch_bounds__(warps_of<MODE>() * 32, minb_of<MODE, NT>()) sc
               if (cur >= 0) flush();
               cur = blk;
             }
-            if (MODE == kModeE4m3 && ok && any_negative_scale(st, c * rc_half, rc_half, lane))
-              fix_negative_scales(st, c * rc_half, rc_half, lane);
 #pragma unroll 1
             for (int t = 0; t < rc_half / 16; ++t) {
               if constexpr (M8) score_tile_wg8<MODE, NT>(st, c * rc_half + t * 16, g, t4, lut, desc, ok, rm);
@@ -396,15 +394,9 @@ __global__ void __launch_bounds__(warps_of<MODE>() * 32, minb_of<MODE, NT>()) sc
               if (cur >= 0) flush();
               cur = ch.block;
             }
-            const bool neg = MODE == kModeE4m3 && any_negative_scale(st, c * ch.nrows, ch.nrows, lane);
             auto tile = [&](int t) {
-              if constexpr (M8) {
-                if (neg) score_tile8<MODE, NT, true>(st, c * ch.nrows + t * 16, g, t4, lut, bq, rm);
-                else score_tile8<MODE, NT, false>(st, c * ch.nrows + t * 16, g, t4, lut, bq, rm);
-              } else {
-                if (neg) score_tile<MODE, NT, true>(st, c * ch.nrows + t * 16, g, t4, lut, bq, rm);
-                else score_tile<MODE, NT, false>(st, c * ch.nrows + t * 16, g, t4, lut, bq, rm);
-              }
+              if constexpr (M8) score_tile8<MODE, NT>(st, c * ch.nrows + t * 16, g, t4, lut, bq, rm);
+              else score_tile<MODE, NT>(st, c * ch.nrows + t * 16, g, t4, lut, bq, rm);
             };
             if constexpr (NT <= 2 && MODE != kModeFp8) {  // two tiles interleaved (v6: -1%; NT = 4 and FP8 spill)
 #pragma unroll 2

@@ -15,8 +15,9 @@
 // fp16), so the scores need no rescaling.
 //
 // Why (d, d + 1): cvt.rn.f16x2.e4m3x2 (one F2FP instruction) turns two adjacent E4M3 bytes into
-// an fp16 pair. NVFP4: a mask, 2 table prmt (the E4M3 magnitudes of 4 codes each), 2 prmt that
-// replicate the codes' signs (the top bits of the bytes of w and w << 4), 2 merges and 4
+// an fp16 pair. NVFP4: a mask, 2 table prmt (the E4M3 magnitudes of 4 codes each, the scale's
+// sign in their top bits), 2 prmt that replicate the codes' signs (the top bits of the bytes of w
+// and w << 4), 2 merges (XOR: the product's sign) and 4
 // conversions: 11 integer-pipe and 2 FMA-pipe instructions per 8 codes (the pairs (d, d + 2) of
 // the form before took 11 and 6: a prmt, a shift and a mask per pair); FP8 keys: 2 conversions per
 // 4 bytes (before: 4 integer-pipe and 2 FMA-pipe). bench/NOTES.md, v14, has the measurements.
@@ -105,35 +106,38 @@ INDEXCP_HD uint32_t form_cvt_hi(uint32_t x) {
 }
 
 /// The k_hat table entry of one scale byte (NVFP4, E4M3 rounding; spec/formats.md section 5):
-/// byte c of {lo, hi} = e4m3_encode(e2m1(c) * e4m3(scale & 0x7f)) for the 8 magnitudes c; the
-/// scale's sign is applied to the codes (a negative scale flips every code's sign).
+/// byte c of {lo, hi} = e4m3_encode(e2m1(c) * e4m3(scale & 0x7f)) for the 8 magnitudes c, with the
+/// scale's sign in bit 7 of every byte (0x80 where the scale byte is negative, which the quantizer
+/// never writes but another writer may). form_khat_bytes XORs each code's sign into it, so a code's
+/// byte has the sign of code x scale (-0 included) and no scorer needs a negative-scale path.
 INDEXCP_HD void form_khat_entry(uint8_t scale, uint32_t* lo, uint32_t* hi) {
   const float sc = e4m3_decode(static_cast<uint8_t>(scale & 0x7fu));
+  const uint32_t sign = (scale & 0x80u) ? 0x80808080u : 0u;
   uint32_t v[2] = {0u, 0u};
   for (int c = 0; c < 8; ++c)
     v[c >> 2] |= static_cast<uint32_t>(e4m3_encode(e2m1_decode(static_cast<uint8_t>(c)) * sc)) << (8 * (c & 3));
-  *lo = v[0];
-  *hi = v[1];
+  *lo = v[0] | sign;
+  *hi = v[1] | sign;
 }
 
 // The NVFP4 expansions: word w of 8 codes (code c = bits 4c .. 4c + 3, its sign at bit 4c + 3) ->
 // h[p], p = 2e + pair: the fp16 pair `pair` of k-step 2j + e (j = the word), i.e. codes
 // (4e + 2 pair, 4e + 2 pair + 1).
 
-/// NVFP4 with E4M3 rounding: the fp16 bits of k_hat: the E4M3 bytes of the 8 codes in code order
-/// (magnitude from the scale's table entry, sign from the code), two at a time through the
-/// conversion instruction.
-/// The signed E4M3 bytes of k_hat of word w: *lo = codes 0..3 (byte c = code c), *hi = codes 4..7.
-/// The fp8_mma form multiplies these bytes directly; the fp16 form converts them.
+/// The signed E4M3 bytes of k_hat of word w: *lo = codes 0..3 (byte c = code c), *hi = codes 4..7;
+/// magnitude (and the scale's sign) from the scale's table entry, XOR the code's sign (one LOP3
+/// per 4 codes). The fp8_mma form multiplies these bytes directly; the fp16 form converts them.
 INDEXCP_HD void form_khat_bytes(uint32_t w, uint32_t lut_lo, uint32_t lut_hi, uint32_t* lo, uint32_t* hi) {
   const uint32_t m = w & 0x77777777u;
   const uint32_t plo = form_prmt(lut_lo, lut_hi, m);                         // [M0 M1 M2 M3]
   const uint32_t phi = form_prmt(lut_lo, lut_hi, form_mulhi(m, 1u << 16));  // [M4 M5 M6 M7]
   const uint32_t w4 = w << 4;
-  *lo = plo | (form_prmt(w4, w, 0xD9C8u) & 0x80808080u);  // signs of codes 0..3 replicated
-  *hi = phi | (form_prmt(w4, w, 0xFBEAu) & 0x80808080u);  // codes 4..7
+  *lo = plo ^ (form_prmt(w4, w, 0xD9C8u) & 0x80808080u);  // signs of codes 0..3 replicated
+  *hi = phi ^ (form_prmt(w4, w, 0xFBEAu) & 0x80808080u);  // codes 4..7
 }
 
+/// NVFP4 with E4M3 rounding: the fp16 bits of k_hat: form_khat_bytes' E4M3 bytes of the 8 codes in
+/// code order, two at a time through the conversion instruction.
 INDEXCP_HD void form_expand_e4m3(uint32_t w, uint32_t lut_lo, uint32_t lut_hi, uint32_t (&h)[4]) {
   uint32_t lo, hi;
   form_khat_bytes(w, lut_lo, lut_hi, &lo, &hi);

@@ -303,45 +303,41 @@ __device__ __forceinline__ bool gemm8_page(const ScoreArgs& a, const Geo& G, con
   return true;
 }
 
-// NVFP4 with E4M3 rounding: the k_hat table entry of scale byte g of `scales` and the mask that
-// flips every code's sign where the scale is negative (as fix_negative_scales does for the tile
-// scorer)
-// (lut: the table's generic address, or its shared-memory address, which the producer warpgroup
-// passes so that its loads are LDS rather than generic loads; that asm is not volatile and has no
-// memory clobber, which is safe because the table is written once, before the kernel's first
-// __syncthreads, and e comes from loads made after it)
-__device__ __forceinline__ uint2 g8_lut(const uint2* lut, uint32_t e) { return lut[e]; }
-__device__ __forceinline__ uint2 g8_lut(uint32_t lut_s, uint32_t e) {
-  uint2 v;
-  asm("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(lut_s + 8 * e));
-  return v;
+// NVFP4 with E4M3 rounding: the k_hat table entry of scale byte g (0..7) of `scales` (the entry
+// carries the scale's sign: form_khat_entry), from the table's generic address, or from its
+// shared-memory address, which the producer warpgroup passes: there the byte is taken by one prmt
+// and the entry's address by one mad (written in PTX, since the compiler otherwise turns the
+// index into a shift, a mask and an add). That asm is not volatile and has no memory clobber,
+// which is safe because the table is written once, before the kernel's first __syncthreads, and
+// the index comes from loads made after it.
+__device__ __forceinline__ uint2 g8_scale_entry(uint64_t scales, int g, const uint2* lut) {
+  return lut[static_cast<uint32_t>(scales >> (8 * g)) & 0xffu];
 }
-template <class LUT>
-__device__ __forceinline__ void g8_scale_entry(uint64_t scales, int g, LUT lut, uint2* l, uint32_t* neg) {
-  const uint32_t e = static_cast<uint32_t>(scales >> (8 * g)) & 0xffu;
-  *l = g8_lut(lut, e);
-  *neg = (0u - (e >> 7)) & 0x88888888u;
+__device__ __forceinline__ uint2 g8_scale_entry(uint64_t scales, int g, uint32_t lut_s) {
+  const uint32_t w = static_cast<uint32_t>(scales >> (g >= 4 ? 32 : 0));
+  uint2 v;
+  asm("{\n.reg .b32 e, a;\nprmt.b32 e, %2, %3, %4;\nmad.lo.u32 a, e, 8, %5;\nld.shared.v2.u32 {%0, %1}, [a];\n}"
+      : "=r"(v.x), "=r"(v.y)
+      : "r"(w), "r"(0u), "r"(0x4440u | static_cast<uint32_t>(g & 3)), "r"(lut_s));
+  return v;
 }
 
 // NVFP4 with E4M3 rounding: half h of one key row (8 of its 16 code words, 4 of its 8 scale bytes)
-// expanded to its signed E4M3 bytes (form_khat_bytes, the table of the scale; a negative scale flips
-// the codes' signs, as fix_negative_scales does for the tile scorer) and stored as swizzled 16-byte
-// chunks 4h .. 4h + 3 of its row of the stage. Chunk c holds pieces c, c + 8, c + 16, c + 24 (word
-// t4 = piece c + 8 t4 = dims 4c + 32 t4 .. + 3), i.e. the lo (c even) or hi (c odd) bytes of code
-// words c / 2 + 4 t4: half h needs words 2h + jj + 4k (jj = 0, 1; k = 0..3), rw[k] = (word 2h + 4k,
-// word 2h + 1 + 4k), of scale group h + 2k. A warp's 8 consecutive rows write 8 different chunk
-// positions per 16-byte store: no conflict.
+// expanded to its signed E4M3 bytes (form_khat_bytes, the table entry of the scale) and stored as
+// swizzled 16-byte chunks 4h .. 4h + 3 of its row of the stage. Chunk c holds pieces c, c + 8,
+// c + 16, c + 24 (word t4 = piece c + 8 t4 = dims 4c + 32 t4 .. + 3), i.e. the lo (c even) or hi
+// (c odd) bytes of code words c / 2 + 4 t4: half h needs words 2h + jj + 4k (jj = 0, 1; k = 0..3),
+// rw[k] = (word 2h + 4k, word 2h + 1 + 4k), of scale group h + 2k. A warp's 8 consecutive rows
+// write 8 different chunk positions per 16-byte store: no conflict.
 template <class LUT>
 __device__ __forceinline__ void gemm8_expand_half(const uint2 (&rw)[4], uint64_t scales, int h, LUT lut, uint32_t row_addr,
                                                   uint32_t r7) {
   uint32_t lo[2][4], hi[2][4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-    uint2 l;
-    uint32_t neg;
-    g8_scale_entry(scales, h + 2 * k, lut, &l, &neg);
-    form_khat_bytes(rw[k].x ^ neg, l.x, l.y, &lo[0][k], &hi[0][k]);
-    form_khat_bytes(rw[k].y ^ neg, l.x, l.y, &lo[1][k], &hi[1][k]);
+    const uint2 l = g8_scale_entry(scales, h + 2 * k, lut);
+    form_khat_bytes(rw[k].x, l.x, l.y, &lo[0][k], &hi[0][k]);
+    form_khat_bytes(rw[k].y, l.x, l.y, &lo[1][k], &hi[1][k]);
   }
 #pragma unroll
   for (int c4 = 0; c4 < 4; ++c4) {
@@ -389,12 +385,10 @@ __device__ __forceinline__ void g16_expand_half(const uint2 (&rw)[4], uint64_t s
   uint32_t ch[8][4];
 #pragma unroll
   for (int t4 = 0; t4 < 4; ++t4) {
-    uint2 l;
-    uint32_t neg;
-    g8_scale_entry(scales, h + 2 * t4, lut, &l, &neg);
+    const uint2 l = g8_scale_entry(scales, h + 2 * t4, lut);
     uint32_t v0[4], v1[4];
-    form_expand_e4m3(rw[t4].x ^ neg, l.x, l.y, v0);
-    form_expand_e4m3(rw[t4].y ^ neg, l.x, l.y, v1);
+    form_expand_e4m3(rw[t4].x, l.x, l.y, v0);
+    form_expand_e4m3(rw[t4].y, l.x, l.y, v1);
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
       ch[p][t4] = v0[p];
@@ -491,7 +485,7 @@ __global__ void __launch_bounds__(g8_threads<PROD>(), 1) gemm8_score_kernel(cons
   int32_t* splan = smeta + kStages;                       // [kPlanLocal + 2]
   uint2* lut = reinterpret_cast<uint2*>((reinterpret_cast<uintptr_t>(splan + kPlanLocal + 2) + 7) & ~uintptr_t{7});  // [256] (NVFP4)
   if constexpr (NVFP4)
-    for (int i = threadIdx.x; i < 256; i += kT) lut[i] = g_khat_lut[i];
+    for (int i = threadIdx.x; i < 256; i += kT) lut[i] = g_khat_lut[i];  // (signed entries: form_khat_entry)
   if (threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) {
       // every filling thread's copies (expansion), and the block index of the first of them
@@ -857,27 +851,29 @@ __global__ void __launch_bounds__(g8_threads<PROD>(), 1) gemm8_score_kernel(cons
                 published(blk);
               };
               // the next scored pair's row, one pair ahead in registers (a ring of raw blocks in shared
-              // memory, filled by cp.async 4 blocks ahead, was 12% slower: bench/NOTES.md v25)
-              uint4 nx[4] = {};
-              uint64_t nsc = 0;
-              auto load_p = [&]() -> int32_t {
+              // memory, filled by cp.async 4 blocks ahead, was 12% slower: bench/NOTES.md v25; three
+              // sets of registers, two pairs ahead, 1-2% slower: v26); two pairs per turn of the loop,
+              // so that the two sets of registers take turns instead of being copied
+              auto load_p = [&](uint4 (&x)[4], uint64_t& sc) -> int32_t {
                 int32_t blk, j0;
                 const uint8_t* pg;
                 if (!walk(0, &blk, &pg, &j0)) return -1;
                 const uint8_t* rowp = pg + static_cast<int64_t>(j0 + pt) * kNvfp4DataBytesPerKey;
     #pragma unroll
-                for (int c = 0; c < 4; ++c) nx[c] = *reinterpret_cast<const uint4*>(rowp + 16 * c);
-                nsc = *reinterpret_cast<const uint64_t*>(pg + G.scale0 + static_cast<int64_t>(j0 + pt) * kNvfp4ScalesPerKey);
+                for (int c = 0; c < 4; ++c) x[c] = *reinterpret_cast<const uint4*>(rowp + 16 * c);
+                sc = *reinterpret_cast<const uint64_t*>(pg + G.scale0 + static_cast<int64_t>(j0 + pt) * kNvfp4ScalesPerKey);
                 return blk;
               };
-              int32_t nblk = load_p();
+              uint4 xa[4] = {}, xb[4] = {};
+              uint64_t sca = 0, scb = 0;
+              int32_t ba = load_p(xa, sca);
     #pragma unroll 1
-              while (uniform(nblk) >= 0) {
-                const uint4 x[4] = {nx[0], nx[1], nx[2], nx[3]};
-                const uint64_t sc = nsc;
-                const int32_t blk = nblk;
-                nblk = load_p();
-                expand_row(x, sc, blk);
+              while (uniform(ba) >= 0) {
+                const int32_t bb = load_p(xb, scb);
+                expand_row(xa, sca, ba);
+                if (uniform(bb) < 0) break;
+                ba = load_p(xa, sca);
+                expand_row(xb, scb, bb);
               }
             } else {
               // the copies: producer warp pw copies rows 32 pw .. 32 pw + 31, 4 bytes per lane per row

@@ -1,6 +1,6 @@
 // The scorer's tiles: NVFP4 / FP8 key expansion to fp16 MMA fragments (the fixed k order of every
 // scorer of this backend), the query fragments, one tile's dot products with mma.sync or wgmma and
-// the per-block maximum; the fix-up of negative NVFP4 scale bytes. Private to score.cu
+// the per-block maximum. Private to score.cu
 // (src/cuda/score.cu has the overview).
 #pragma once
 
@@ -17,8 +17,9 @@ namespace indexcp::cuda::detail {
 // Internal linkage on purpose: this header is part of score.cu's one translation unit.
 namespace {
 
-// The E4M3 k_hat table (256 scale bytes x 8 magnitudes: form_khat_entry), uploaded by
-// ensure_tables; each CTA that needs it copies it into shared memory.
+// The E4M3 k_hat table (256 scale bytes x 8 magnitudes, the scale's sign in each byte's top bit:
+// form_khat_entry, so a negative scale byte needs no path of its own), uploaded by ensure_tables;
+// each CTA that needs it copies it into shared memory.
 __device__ uint2 g_khat_lut[256];
 
 // ---- key expansion ----------------------------------------------------------------------------
@@ -100,7 +101,7 @@ struct BFrags {
 // The A fragments of one tile of 16 rows (r0 = g, r1 = g + 8 within the half buffer): f(s, A)
 // is called for each k-step s = 0..7 with its 4 registers (the mma.m16n8k16 A layout, which is
 // also the per-warp A layout of wgmma's m64nNk16 with A in registers).
-template <int MODE, bool NEG, class F>
+template <int MODE, class F>
 __device__ __forceinline__ void tile_frags(const uint8_t* st, int rb, int g, int t4, const uint2* lut, F&& f) {
   constexpr int ROWB = MODE == kModeFp8 ? kHeadDim : kNvfp4DataBytesPerKey;
   const int r0 = rb + g, r1 = r0 + 8;
@@ -128,17 +129,12 @@ __device__ __forceinline__ void tile_frags(const uint8_t* st, int rb, int g, int
     const uint32_t w1[4] = {b0.x, b0.y, b0.z, b0.w};
     uint2 l0[2], l1[2];
     __half2 f0[2], f1[2];
-    uint32_t n0[2] = {0u, 0u}, n1[2] = {0u, 0u};
 #pragma unroll
     for (int gi = 0; gi < 2; ++gi) {
       const uint32_t e0 = (sc0 >> (8 * gi)) & 0xffu, e1 = (sc1 >> (8 * gi)) & 0xffu;
       if (MODE == kModeE4m3) {
         l0[gi] = lut[e0];
         l1[gi] = lut[e1];
-        if (NEG) {  // a negative scale flips every code's sign (never written by the quantizer)
-          n0[gi] = (0u - (e0 >> 7)) & 0x88888888u;
-          n1[gi] = (0u - (e1 >> 7)) & 0x88888888u;
-        }
       } else {
         f0[gi] = __float2half2_rn(e4m3_decode(static_cast<uint8_t>(e0)));
         f1[gi] = __float2half2_rn(e4m3_decode(static_cast<uint8_t>(e1)));
@@ -148,8 +144,8 @@ __device__ __forceinline__ void tile_frags(const uint8_t* st, int rb, int g, int
     for (int j = 0; j < 4; ++j) {
       uint32_t h0[4], h1[4];
       if (MODE == kModeE4m3) {
-        expand_e4m3(NEG ? w0[j] ^ n0[j >> 1] : w0[j], l0[j >> 1], h0);
-        expand_e4m3(NEG ? w1[j] ^ n1[j >> 1] : w1[j], l1[j >> 1], h1);
+        expand_e4m3(w0[j], l0[j >> 1], h0);
+        expand_e4m3(w1[j], l1[j >> 1], h1);
       } else {
         expand_exact(w0[j], f0[j >> 1], h0);
         expand_exact(w1[j], f1[j >> 1], h1);
@@ -167,7 +163,7 @@ __device__ __forceinline__ void tile_frags(const uint8_t* st, int rb, int g, int
 // k-steps s8 = 0..3 with the 4 registers of mma.m16n8k32 (a0, a1: rows g, g + 8 at k = 4 t4 + i;
 // a2, a3: at k = 16 + 4 t4 + i): the stored E4M3 bytes (FP8) or the table's k_hat bytes (NVFP4,
 // E4M3 rounding), unconverted.
-template <int MODE, bool NEG, class F>
+template <int MODE, class F>
 __device__ __forceinline__ void tile_frags8(const uint8_t* st, int rb, int g, int t4, const uint2* lut, F&& f) {
   static_assert(MODE != kModeExact, "fp8_mma needs E4M3 keys (config.md rule 7)");
   constexpr int ROWB = MODE == kModeFp8 ? kHeadDim : kNvfp4DataBytesPerKey;
@@ -189,22 +185,16 @@ __device__ __forceinline__ void tile_frags8(const uint8_t* st, int rb, int g, in
     const uint32_t w0[4] = {a0.x, a0.y, a0.z, a0.w};
     const uint32_t w1[4] = {b0.x, b0.y, b0.z, b0.w};
     uint2 l0[2], l1[2];
-    uint32_t n0[2] = {0u, 0u}, n1[2] = {0u, 0u};
 #pragma unroll
     for (int gi = 0; gi < 2; ++gi) {
-      const uint32_t e0 = (sc0 >> (8 * gi)) & 0xffu, e1 = (sc1 >> (8 * gi)) & 0xffu;
-      l0[gi] = lut[e0];
-      l1[gi] = lut[e1];
-      if (NEG) {  // a negative scale flips every code's sign (never written by the quantizer)
-        n0[gi] = (0u - (e0 >> 7)) & 0x88888888u;
-        n1[gi] = (0u - (e1 >> 7)) & 0x88888888u;
-      }
+      l0[gi] = lut[(sc0 >> (8 * gi)) & 0xffu];
+      l1[gi] = lut[(sc1 >> (8 * gi)) & 0xffu];
     }
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       uint32_t A[4];
-      form_khat_bytes(NEG ? w0[j] ^ n0[j >> 1] : w0[j], l0[j >> 1].x, l0[j >> 1].y, &A[0], &A[2]);
-      form_khat_bytes(NEG ? w1[j] ^ n1[j >> 1] : w1[j], l1[j >> 1].x, l1[j >> 1].y, &A[1], &A[3]);
+      form_khat_bytes(w0[j], l0[j >> 1].x, l0[j >> 1].y, &A[0], &A[2]);
+      form_khat_bytes(w1[j], l1[j >> 1].x, l1[j >> 1].y, &A[1], &A[3]);
       f(j, A);
     }
   }
@@ -265,13 +255,13 @@ __device__ __forceinline__ void fold_max(const float (&acc)[NT][4], float (&rm)[
 }
 
 // One tile of 16 rows against NT*8 query vectors with mma.sync (B fragments from BFrags).
-template <int MODE, int NT, bool NEG>
+template <int MODE, int NT>
 __device__ __forceinline__ void score_tile(const uint8_t* st, int rb, int g, int t4, const uint2* lut,
                                            const BFrags<NT>& bq, float (&rm)[NT][2]) {
   float acc[NT][4];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
-  tile_frags<MODE, NEG>(st, rb, g, t4, lut, [&](int s, const uint32_t* A) {
+  tile_frags<MODE>(st, rb, g, t4, lut, [&](int s, const uint32_t* A) {
     uint2 bb[NT];
     bq.get(s, bb);
 #pragma unroll
@@ -282,13 +272,13 @@ __device__ __forceinline__ void score_tile(const uint8_t* st, int rb, int g, int
 
 // The same tile in the fp8_mma form: 4 mma.m16n8k32 per n-tile. The query fragments hold the raw
 // E4M3 words: BFrags slot s8 (of the first 4) = (b0, b1) of k-step s8.
-template <int MODE, int NT, bool NEG>
+template <int MODE, int NT>
 __device__ __forceinline__ void score_tile8(const uint8_t* st, int rb, int g, int t4, const uint2* lut,
                                             const BFrags<NT>& bq, float (&rm)[NT][2]) {
   float acc[NT][4];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
-  tile_frags8<MODE, NEG>(st, rb, g, t4, lut, [&](int s8, const uint32_t* A) {
+  tile_frags8<MODE>(st, rb, g, t4, lut, [&](int s8, const uint32_t* A) {
     uint2 bb[NT];
     bq.get(s8, bb);
 #pragma unroll
@@ -319,7 +309,7 @@ __device__ __forceinline__ void score_tile_wg(const uint8_t* st, int rb, int g, 
                                               uint64_t desc, bool valid, float (&rm)[NT][2]) {
   uint32_t A[8][4];
   if (valid)
-    tile_frags<MODE, false>(st, rb, g, t4, lut, [&](int s, const uint32_t* a) {
+    tile_frags<MODE>(st, rb, g, t4, lut, [&](int s, const uint32_t* a) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) A[s][i] = a[i];
     });
@@ -340,7 +330,7 @@ __device__ __forceinline__ void score_tile_wg8(const uint8_t* st, int rb, int g,
                                                uint64_t desc, bool valid, float (&rm)[NT][2]) {
   uint32_t A[4][4];
   if (valid)
-    tile_frags8<MODE, false>(st, rb, g, t4, lut, [&](int s8, const uint32_t* a) {
+    tile_frags8<MODE>(st, rb, g, t4, lut, [&](int s8, const uint32_t* a) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) A[s8][i] = a[i];
     });
@@ -353,35 +343,6 @@ __device__ __forceinline__ void score_tile_wg8(const uint8_t* st, int rb, int g,
   fence_acc<NT>(acc);
   if (valid) fold_max<NT>(acc, rm);
 }
-
-// NVFP4 in a half buffer: does any of rows row0 .. row0 + nrows - 1 have a negative scale byte?
-// (never, for caches we wrote) Warp-uniform result.
-__device__ __forceinline__ bool any_negative_scale(const uint8_t* st, int row0, int nrows, int lane) {
-  uint32_t orx = 0;
-  for (int r = lane; r < nrows; r += 32) {
-    const uint2 v = *reinterpret_cast<const uint2*>(st + kHalfRows * kNvfp4DataBytesPerKey + (row0 + r) * 8);
-    orx |= v.x | v.y;
-  }
-  return __any_sync(0xffffffffu, (orx & 0x80808080u) != 0);
-}
-
-// NVFP4 with E4M3 rounding, before a wgmma tile: rows of the chunk whose scale byte is negative
-// (never written by the quantizer) get their codes' signs flipped in the stage buffer, so that
-// one code path (and one wgmma site) serves every warp; the table lookup ignores the scale sign.
-__device__ __forceinline__ void fix_negative_scales(uint8_t* st, int row0, int nrows, int lane) {
-  for (int i = lane; i < nrows * 8; i += 32) {
-    const int r = row0 + i / 8, gi = i % 8;
-    if (st[kHalfRows * kNvfp4DataBytesPerKey + r * 8 + gi] & 0x80u) {
-      uint2* w = reinterpret_cast<uint2*>(st + r * kNvfp4DataBytesPerKey + gi * 8);
-      w->x ^= 0x88888888u;
-      w->y ^= 0x88888888u;
-    }
-  }
-  // the generic-proxy writes before the bulk copy (async proxy) that later refills this buffer
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  __syncwarp();
-}
-
 
 }  // namespace
 }  // namespace indexcp::cuda::detail
