@@ -20,8 +20,9 @@
 // each 16-product step alike (tests/gpu/test_gpu_decode.cpp, All/GpuHeadWidth.*, compares every
 // score of a head scored alone (mma.sync), in a pair and with all four heads (wgmma) bit for bit).
 //   - NVFP4, E4M3 rounding: k_hat = e4m3(|e2m1| * |scale|) from a 256 x 8 byte table (one entry
-//     per scale byte, built on the host with formats.hpp), looked up with prmt; the signed E4M3
-//     bytes become fp16 pairs through cvt.rn.f16x2.e4m3x2 (exact).
+//     per scale byte, built on the host with formats.hpp, the scale's sign in each byte's top
+//     bit), looked up with prmt, the code's sign XORed in; the signed E4M3 bytes become fp16 pairs
+//     through cvt.rn.f16x2.e4m3x2 (exact).
 //   - FP8 keys (cache or staged): the same conversion of the stored bytes.
 //   - NVFP4, exact rounding: fp16 of |e2m1| by prmt, sign, times the scale (hmul2, exact).
 // indexer_score_precision "fp8_mma" (template flag M8): the signed E4M3 bytes (the table's for

@@ -350,8 +350,9 @@ INSTANTIATE_TEST_SUITE_P(All, GpuHeadWidth,
 // other software may hold them): every scorer must treat the scale as the signed E4M3 value it
 // is, like the CPU. Each shard flips the same logical (token, group) scales, so ICP must still
 // equal replicated bit for bit. Scores: H = 1 / 2 / 4 with Q = 8 are 8 / 16 / 32 query vectors per
-// CTA (8: the mma.sync tile; 16, 32: the wgmma tiles on sm_90a; every one takes the scale's sign
-// from the k_hat table, form.hpp); the replicated step at W = 2 with H = 2 scores 8 vectors
+// CTA (8: the mma.sync tile; 16, 32: the wgmma tiles on sm_90a; with E4M3 rounding every one takes
+// the scale's sign from the k_hat table, form.hpp, with exact rounding from the decoded scale);
+// the replicated step at W = 2 with H = 2 scores 8 vectors
 // per rank, checked through its selections. P128 with W = 2, 4 takes the general scorer with 1
 // and 2 chunks per half-stage; P256 with W = 2 runs ICP with both the general and the stock
 // scorer. ctest also runs this suite with INDEXCP_SCORE_CTAS=1 (tests/CMakeLists.txt), where the

@@ -2,7 +2,7 @@
 // owns it): which dimension of a key and of a query meets which k slot of the fp16 MMA, and the
 // integer code that turns stored key bytes into fp16 MMA fragments in that order. Plain C++ with
 // no CUDA header, so that the CPU suite checks every expansion against formats.hpp
-// (tests/test_score_form.cpp); tiles.cuh and score.cu are its only users on the device.
+// (tests/test_score_form.cpp); tiles.cuh, gemm8.cuh and score.cu are its only users on the device.
 //
 // The MMA is mma.sync.m16n8k16 (or wgmma m64nNk16 with A from registers): in k-step s (0..7) the
 // thread of quad lane t4 holds two fp16 pairs of each of its rows, the "first" pair at k = 2 t4,
