@@ -72,6 +72,13 @@ class DevArr {
   size_t n_ = 0;
 };
 
+/// The bit patterns of floats (bit-exact comparisons; -Inf is 0xff800000).
+inline std::vector<uint32_t> bits_of(const std::vector<float>& v) {
+  std::vector<uint32_t> b(v.size());
+  std::memcpy(b.data(), v.data(), v.size() * sizeof(float));
+  return b;
+}
+
 /// Sets or unsets an environment variable for the life of the object, then restores it.
 class ScopedEnv {
  public:

@@ -76,12 +76,6 @@ std::vector<uint8_t> make_queries(int64_t rows, int32_t H, uint32_t seed, Data d
   return q;
 }
 
-std::vector<uint32_t> bits_of(const std::vector<float>& v) {
-  std::vector<uint32_t> b(v.size());
-  std::memcpy(b.data(), v.data(), v.size() * sizeof(float));
-  return b;
-}
-
 std::vector<float> decode_scores_of(const cuda::DeviceCache& c, const DecodeBatch& b, int32_t h0, int32_t nh,
                                     ScorePrecision prec, KRounding mode = KRounding::kE4m3) {
   const int64_t mb = static_cast<int64_t>(b.max_pages) * c.layout().blocks_per_page();
@@ -395,13 +389,16 @@ TEST(GpuFp8Mma, GemmScorerEqualsTheTileScorer) {
               const bool tiles = run == 1;
               gemm_env.set(tiles ? "0" : "");  // the default in both modes
               prod_env.set(run == 2 ? "0" : "");
-              out.fill_bytes(0x7f);  // (prefill_scores writes -inf everywhere first, then the scores)
+              out.fill_bytes(0x7f);  // (prefill_scores writes -inf where the scorer writes nothing)
               cuda::prefill_scores(dev_c[0], 0, batch, nrows, max_rows, h0, nh, out.get(), nullptr, prec);
               const std::string ran = cuda::detail::last_score_kernel();
               CUDA_OK(cudaDeviceSynchronize());
               EXPECT_EQ(ran, tiles || !sm90a ? "tiles" : prec != kF8 ? "gemm16" : run == 2 ? "gemm8" : "gemm8p")
                   << where << " run " << run;
               got[run] = bits_of(out.host());
+              int64_t unwritten = 0;
+              for (const uint32_t x : got[run]) unwritten += x == 0x7f7f7f7fu;
+              EXPECT_EQ(unwritten, 0) << where << " run " << run << ": entries neither scored nor filled";
             }
             for (int run = 0; run < runs; run += 2) {
               int64_t differ = 0, scored = 0;

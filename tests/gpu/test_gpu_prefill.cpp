@@ -408,6 +408,77 @@ TEST(GpuPrefill, PrefillScoresEqualCpuAndReplayFromAGraph) {
   expect_msg([&] { cuda::prefill_scores(dev[0], 3, d.b, 10, 1, 0, 4, out.get(), nullptr); }, "layer");
 }
 
+// prefill_scores writes -Inf only where no scorer writes (launch_fill_unscored): the blocks that
+// are not historical, and the historical blocks of block-table entries outside [0, num_pages),
+// which prefill_scores does not validate and every scorer skips. With two such entries (one -1,
+// one past num_pages) every entry equals the run with the valid table, except those blocks'
+// historical entries, which are -Inf; in both precision modes, through the default scorer (the
+// GEMM-shaped one where the request is long enough) and the tile scorer, out prefilled with a
+// byte pattern each time so that an entry nobody writes shows.
+TEST(GpuPrefill, PrefillScoresOutOfRangePageIdsGiveNegInf) {
+  REQUIRE_GPU();
+  for (KvDtype dt : {KvDtype::kNvfp4, KvDtype::kFp8})
+    for (int32_t P : {128, 256}) {
+      auto s = prefill_scene(P, 91u + P, true);
+      auto dev = device_shards(dt, s.req, 1, s.keys, s.slots);
+      DevPrefill d(s);
+      const int32_t h0 = 1, nh = 2, mp = s.req.max_pages;
+      const int64_t mb = static_cast<int64_t>(mp) * P / 128, nrows = s.qs.back();
+      int32_t max_rows = 1;
+      for (size_t b = 0; b + 1 < s.qs.size(); ++b) max_rows = std::max(max_rows, s.qs[b + 1] - s.qs[b]);
+      // request 0 (3,000 tokens, rows at 2,870..2,999): logical page 5 -> -1; request 1 (700
+      // tokens, rows at 0..699): logical page 1 -> num_pages + 3
+      const int32_t bad[2][2] = {{0, 5}, {1, 1}};
+      std::vector<int32_t> bt = s.req.block_table;
+      bt[static_cast<size_t>(bad[0][0]) * mp + bad[0][1]] = -1;
+      bt[static_cast<size_t>(bad[1][0]) * mp + bad[1][1]] = static_cast<int32_t>(s.req.num_pages) + 3;
+      DevArr<int32_t> bt_bad(bt);
+      PrefillBatch b_bad = d.b;
+      b_bad.block_table = bt_bad.get();
+      DevArr<float> out(static_cast<size_t>(nrows) * nh * mb);
+      for (const ScorePrecision prec : {ScorePrecision::kFp32, ScorePrecision::kFp8Mma})
+        for (const bool tiles : {false, true}) {
+          ScopedEnv knob(prec == ScorePrecision::kFp8Mma ? "INDEXCP_SCORE_GEMM8" : "INDEXCP_SCORE_GEMM16");
+          knob.set(tiles ? "0" : "");
+          const std::string where = to_string(dt) + " P" + std::to_string(P) +
+                                    (prec == ScorePrecision::kFp8Mma ? " fp8_mma" : " fp32") + (tiles ? " tiles" : " default");
+          std::vector<uint32_t> got[2];
+          for (int run = 0; run < 2; ++run) {
+            out.fill_bytes(run == 0 ? 0x7f : 0x3c);
+            cuda::prefill_scores(dev[0], 0, run == 0 ? d.b : b_bad, nrows, max_rows, h0, nh, out.get(), nullptr, prec);
+            CUDA_OK(cudaDeviceSynchronize());
+            got[run] = bits_of(out.host());
+          }
+          int64_t neg = 0, scored = 0;
+          for (size_t b = 0; b + 1 < s.qs.size(); ++b)
+            for (int32_t r = s.qs[b]; r < s.qs[b + 1]; ++r) {
+              const int32_t pos = s.req.seq_lens[b] - (s.qs[b + 1] - s.qs[b]) + (r - s.qs[b]);
+              const int64_t olim = pos < 0 ? 0 : pos / 128;
+              for (int32_t h = 0; h < nh; ++h)
+                for (int64_t j = 0; j < mb; ++j) {
+                  const size_t i = (static_cast<size_t>(r) * nh + h) * mb + j;
+                  bool in_bad = false;
+                  for (const auto& e : bad)
+                    in_bad |= e[0] == static_cast<int32_t>(b) && j * 128 / P == e[1];
+                  if (j >= olim) {
+                    ASSERT_EQ(got[0][i], 0xff800000u) << where << " row " << r << " block " << j << ": not historical";
+                    ASSERT_EQ(got[1][i], 0xff800000u) << where << " row " << r << " block " << j << ": not historical";
+                  } else if (in_bad) {
+                    ASSERT_EQ(got[1][i], 0xff800000u) << where << " row " << r << " block " << j << ": out-of-range page";
+                    ++neg;
+                  } else {
+                    ASSERT_EQ(got[1][i], got[0][i]) << where << " row " << r << " block " << j;
+                    ASSERT_NE(got[0][i], 0xff800000u) << where << " row " << r << " block " << j << ": historical";
+                    ++scored;
+                  }
+                }
+            }
+          EXPECT_GT(neg, 100) << where;  // (request 0: 130 rows x 2 heads x P / 128 blocks, request 1 more)
+          EXPECT_GT(scored, 1000) << where;
+        }
+    }
+}
+
 // The synchronous prefill APIs check q's bytes on the GPU: a NaN byte (0x7F or 0xFF) anywhere,
 // the first and the last byte included, is refused with the same message as the CPU reference's
 // prefill_rows (row, head, dim of the first one), by prefill_select, validate_prefill_batch and

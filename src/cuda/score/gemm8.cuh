@@ -60,6 +60,14 @@
 // warp-specialized kernels; the ring drains at each segment's end (the producer waits there).
 // INDEXCP_SCORE_DEBUG's bit 2 (no key loads) is not honoured by the producer's loads.
 // Measured: bench/NOTES.md v25 (an H100: the replicated NVFP4 scorer 13% faster, the FP8 gather's 4%).
+// With NVFP4 keys the math warpgroups' loop is rotated (INDEXCP_SCORE_G8_ROTATED): a warpgroup
+// takes the next stage (the `full` wait, the proxy fence, the block index) while tile 1's chain
+// of the current block runs, and stores the block's scores after it has issued the next block's
+// chains, so that only tile 1's maxima (and the turn) lie between the end of its chains and its
+// next issue (bench/NOTES.md v27: 7-8% faster on an H100; for E4M3 rows it made the gather's
+// kernel spill and was 3% slower at 128K, so those keep the loop in block order). Issuing tile
+// 0's next chain before tile 1's maxima instead makes ptxas serialize every wgmma (C7514: a
+// chain's accumulators read between the chains of one pipeline stage).
 //
 // The fp32 form (F16): wgmma m64n128k16 with fp32 accumulation, both operands fp16 in shared memory
 // in the 128-byte swizzle (a 256-byte row is two 128-byte halves of 64 dimensions, 16 KiB per half
@@ -100,6 +108,16 @@ constexpr int kG8Threads = 256;
 #define INDEXCP_SCORE_G8_SPLIT 1
 #endif
 constexpr bool kG8Split = INDEXCP_SCORE_G8_SPLIT != 0;
+// The producer form's math loop for NVFP4 keys rotated (1: the next stage is taken while tile 1 of
+// a block runs, the block's scores stored after the next issue; see the top), or in block order
+// (0). INDEXCP_SCORE_G8_TURNS=0 drops the rotated loop's turns (measured 1-2% slower: v27).
+#ifndef INDEXCP_SCORE_G8_ROTATED
+#define INDEXCP_SCORE_G8_ROTATED 1
+#endif
+constexpr bool kG8Rotated = INDEXCP_SCORE_G8_ROTATED != 0;
+#ifndef INDEXCP_SCORE_G8_TURNS
+#define INDEXCP_SCORE_G8_TURNS 1
+#endif
 #ifndef INDEXCP_SCORE_G8_DEBUG
 #define INDEXCP_SCORE_G8_DEBUG 0
 #endif
@@ -918,6 +936,84 @@ __global__ void __launch_bounds__(g8_threads<PROD>(), 1) gemm8_score_kernel(cons
             for (int i = 0; i < S::kAhead; ++i) issue();
           }
           float acc[2][16][4];
+          if constexpr (PROD && NVFP4 && kG8Rotated) {
+            // The rotated loop (the producer form, INDEXCP_SCORE_G8_ROTATED; see the top): a block's
+            // stage is taken (the `full` wait, the proxy fence, its block index) while the previous
+            // block's tile 1 still runs, and that block's scores are stored after the next chains
+            // are issued, so neither is between tile 1's maxima and the next issue.
+            // stage st (phase ph) once full: fenced for wgmma (the FP8 copies; redundant for the NVFP4
+            // stages, whose producer threads fence their stores) and its block (-1: the request's end)
+            auto take = [&](int st, uint32_t ph) -> int32_t {
+              mbar_wait(&full[st], ph);
+              asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+              int32_t blk;
+              asm volatile("ld.shared.b32 %0, [%1];" : "=r"(blk) : "r"(smem_u32(smeta + st)) : "memory");
+              return uniform(blk);
+            };
+            // both chains of the block in stage st, in this warpgroup's turn (as in the loop below)
+            auto issue_block = [&](int st) {
+              if (INDEXCP_SCORE_G8_TURNS) {
+                if (wg == 0 && chains > 0) mbar_wait(&turn[1], (chains - 1) & 1u);  // warpgroup 1 issued block c - 1
+                if (wg == 1) mbar_wait(&turn[0], chains & 1u);                     // warpgroup 0 issued block c
+              }
+              wg_fence();
+              const uint32_t sa = ring0 + static_cast<uint32_t>(st * S::kStageBytes);
+              const uint32_t kd = S::kUDesc ? static_cast<uint32_t>(uniform(static_cast<int32_t>(sw128_desc_lo(sa)))) : 0u;
+              if (!(dbg & 1)) {
+      #pragma unroll
+                for (int m = 0; m < 2; ++m) {
+      #pragma unroll
+                  for (int s8 = 0; s8 < 4; ++s8)
+                    wgmma8_tile<16>(acc[m], qa[m][s8], S::kUDesc ? sw128_desc_of(kd + 2 * s8) : sw128_desc(sa + 32 * s8), s8 > 0);
+                  wg_commit();
+                }
+              }
+              if (INDEXCP_SCORE_G8_TURNS) mbar_arrive(&turn[wg]);
+              ++chains;
+            };
+            auto release = [&](int st) {  // the stage back to the producer
+              mbar_arrive(&empty[st]);
+            };
+            int32_t blk = take(cst, cph);
+            if (blk < 0) {  // a request of no scored block: its end stage only
+              release(cst);
+              if (++cst == kStages) {
+                cst = 0;
+                cph ^= 1u;
+              }
+            } else {
+              issue_block(cst);
+      #pragma unroll 1
+              for (;;) {  // block blk in stage cst, its chains issued
+                float v[4] = {};
+                wg_wait<1>();  // tile 0 (tile 1's chain may still run)
+                fence_acc<16>(acc[0]);
+                if (!(dbg & 5)) gemm8_block_max(acc[0], &v[0], &v[1]);
+                const int nst = cst + 1 == kStages ? 0 : cst + 1;
+                const uint32_t nph = cst + 1 == kStages ? cph ^ 1u : cph;
+                const int32_t nblk = take(nst, nph);  // the next stage, while tile 1 runs
+                wg_wait<0>();
+                fence_acc<16>(acc[0]);
+                fence_acc<16>(acc[1]);
+                release(cst);
+                cst = nst;
+                cph = nph;
+                if (!(dbg & 5)) gemm8_block_max(acc[1], &v[2], &v[3]);
+                if (nblk < 0) {  // the request's end: its stage holds no keys
+                  release(cst);
+                  if (++cst == kStages) {
+                    cst = 0;
+                    cph ^= 1u;
+                  }
+                  if (!(dbg & 5)) gemm8_store(v, t4, blk, a.scores, obase, olim);
+                  break;
+                }
+                issue_block(cst);
+                if (!(dbg & 5)) gemm8_store(v, t4, blk, a.scores, obase, olim);  // (after the issue: off its path)
+                blk = nblk;
+              }
+            }
+          } else {
       #pragma unroll 1
           for (int t = 0; PROD || t < uniform(head); ++t) {
             if (S::kEarly) issue();  // the refill before this block's chains (whose issue may wait for the tensor cores)
@@ -994,6 +1090,7 @@ __global__ void __launch_bounds__(g8_threads<PROD>(), 1) gemm8_score_kernel(cons
               gemm8_block_max(acc[1], &v[2], &v[3]);
               gemm8_store(v, t4, blk, a.scores, obase, olim);
             }
+          }
           }
         }
       }
