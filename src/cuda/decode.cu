@@ -101,10 +101,7 @@ void prefill_scores(const CacheView& cache, int32_t layer, const PrefillBatch& b
                       batch.block_table != nullptr,
                   "out or a batch pointer is null");
   const ScoreLaunch sl = prefill_score_launch(cache, layer, batch, rows, max_rows_per_request, h0, nh, precision, out);
-  // -Inf only where the scorer writes nothing (not historical, out-of-range page ids): the scorer
-  // writes every other entry, so the fill writes a fraction of out (bench/NOTES.md v27)
-  launch_fill_unscored(sl.rows, nh, sl.max_blocks, batch.block_table, batch.max_pages, cache.layout().page_size,
-                       cache.num_pages(), out, cs(stream));
+  launch_fill_neg_inf(out, rows * nh * sl.max_blocks, cs(stream));
   launch_score(sl, cs(stream));
 }
 

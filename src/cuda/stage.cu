@@ -1,12 +1,11 @@
 // FP8 staging of shard pages (the prefill gather's rows, spec/indexer.md section 5.2) and the -Inf
-// fills of score buffers: small kernels of their own, apart from the scorer.
+// fill of score buffers: small kernels of their own, apart from the scorer.
 #include <algorithm>
 #include <cmath>
 #include <string>
 
 #include "common.cuh"
 #include "kernels.cuh"
-#include "rows.cuh"
 
 namespace indexcp::cuda::detail {
 
@@ -16,44 +15,6 @@ __global__ void fill_kernel(float* p, int64_t n, float v) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
     p[i] = v;
-}
-
-// prefill_scores' -Inf where no scorer writes (spec/indexer.md section 2): blocks olim ..
-// max_blocks - 1 of every (row, head), olim = the row's historical blocks (position / 128; 0 for a
-// request that scores nothing and for rows past query_start[num_requests]), by one warp per row;
-// and the historical blocks of block-table entries outside [0, num_pages), which every scorer
-// skips (an unvalidated batch), by one thread per entry. Written before the scorer runs, so a block
-// that an out-of-range page shares with a valid one (P < 128) still gets the valid page's score.
-__global__ void fill_unscored_kernel(const RowsView rows, int32_t nh, int64_t max_blocks, const int32_t* block_table,
-                                     int32_t max_pages, int32_t page_size, int64_t num_pages, float* out) {
-  const int lane = threadIdx.x & 31;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x >> 5);
-  const int64_t w0 = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
-  const int32_t qend = rows.query_start[rows.num_requests];
-  auto olim_of = [&](int64_t row) -> int64_t {
-    const int64_t pos = row < qend ? row_position(rows, row) : -1;
-    return pos < 0 ? 0 : (pos >> 7) < max_blocks ? (pos >> 7) : max_blocks;
-  };
-  for (int64_t row = w0; row < rows.rows; row += warps) {
-    const int64_t olim = olim_of(row);
-    for (int32_t h = 0; h < nh; ++h) {
-      float* o = out + (row * nh + h) * max_blocks;
-      for (int64_t j = olim + lane; j < max_blocks; j += 32) o[j] = -INFINITY;
-    }
-  }
-  // the block-table entries of every request (rare: only an unvalidated batch has such entries)
-  const int64_t entries = static_cast<int64_t>(rows.num_requests) * max_pages;
-  for (int64_t e = w0 * 32 + lane; e < entries; e += warps * 32) {
-    const int32_t page = block_table[e];
-    if (page >= 0 && page < num_pages) continue;
-    const int32_t b = static_cast<int32_t>(e / max_pages), lp = static_cast<int32_t>(e % max_pages);
-    const int64_t first = (static_cast<int64_t>(lp) * page_size) >> 7, last = ((lp + int64_t{1}) * page_size - 1) >> 7;
-    for (int64_t row = rows.query_start[b]; row < rows.query_start[b + 1]; ++row) {
-      const int64_t olim = olim_of(row);
-      for (int64_t j = first; j <= last && j < olim; ++j)
-        for (int32_t h = 0; h < nh; ++h) out[(row * nh + h) * max_blocks + j] = -INFINITY;
-    }
-  }
 }
 
 __global__ void stage_fp8_kernel(const uint8_t* layer_base, PageLayout L, int64_t cache_pages,
@@ -100,16 +61,6 @@ void launch_fill_neg_inf(float* p, int64_t n, cudaStream_t stream) {
   const int64_t blocks = std::min<int64_t>(ceil_div(n, 256), 4096);
   fill_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p, n, -INFINITY);
   INDEXCP_CUDA_LAUNCH_CHECK("fill kernel launch");
-}
-
-void launch_fill_unscored(const RowsView& rows, int32_t nh, int64_t max_blocks, const int32_t* block_table,
-                          int32_t max_pages, int32_t page_size, int64_t num_pages, float* out, cudaStream_t stream) {
-  if (rows.rows <= 0 || nh <= 0 || max_blocks <= 0) return;
-  // a warp per row: 8 warps per CTA, at most 16 CTAs per multiprocessor's worth
-  const int64_t blocks = std::min<int64_t>(ceil_div(rows.rows, 8), static_cast<int64_t>(sm_count()) * 16);
-  fill_unscored_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(rows, nh, max_blocks, block_table, max_pages,
-                                                                         page_size, num_pages, out);
-  INDEXCP_CUDA_LAUNCH_CHECK("fill_unscored kernel launch");
 }
 
 void launch_stage_fp8(const uint8_t* layer_base, const PageLayout& layout, int64_t cache_pages,

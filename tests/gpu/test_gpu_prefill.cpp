@@ -408,13 +408,13 @@ TEST(GpuPrefill, PrefillScoresEqualCpuAndReplayFromAGraph) {
   expect_msg([&] { cuda::prefill_scores(dev[0], 3, d.b, 10, 1, 0, 4, out.get(), nullptr); }, "layer");
 }
 
-// prefill_scores writes -Inf only where no scorer writes (launch_fill_unscored): the blocks that
-// are not historical, and the historical blocks of block-table entries outside [0, num_pages),
-// which prefill_scores does not validate and every scorer skips. With two such entries (one -1,
-// one past num_pages) every entry equals the run with the valid table, except those blocks'
-// historical entries, which are -Inf; in both precision modes, through the default scorer (the
-// GEMM-shaped one where the request is long enough) and the tile scorer, out prefilled with a
-// byte pattern each time so that an entry nobody writes shows.
+// prefill_scores gives -Inf where no score exists: the blocks that are not historical, and the
+// historical blocks of block-table entries outside [0, num_pages), which prefill_scores does not
+// validate and every scorer skips. With two such entries (one -1, one past num_pages) every entry
+// equals the run with the valid table, except those blocks' historical entries, which are -Inf;
+// in both precision modes, through the default scorer (the GEMM-shaped one where the request is
+// long enough) and the tile scorer, out prefilled with a byte pattern each time so that an entry
+// nobody writes shows.
 TEST(GpuPrefill, PrefillScoresOutOfRangePageIdsGiveNegInf) {
   REQUIRE_GPU();
   for (KvDtype dt : {KvDtype::kNvfp4, KvDtype::kFp8})
@@ -477,6 +477,77 @@ TEST(GpuPrefill, PrefillScoresOutOfRangePageIdsGiveNegInf) {
           EXPECT_GT(scored, 1000) << where;
         }
     }
+}
+
+// prefill_scores' -Inf at the edges of the work: (a) a first chunk of 100 rows x 4 heads (400 query
+// vectors, so the GEMM-shaped scorer runs) has no historical block at all, so no CTA has pairs and
+// the whole output must be -Inf; (b) a block table padded past the pages the requests need
+// (max_pages + 7, the padding -1 or a large page id, as a caller with a fixed max_pages writes it)
+// gives the unpadded run's entries and -Inf in the extra blocks. Both modes, the default scorer
+// and the tile scorer, out prefilled with a byte pattern.
+TEST(GpuPrefill, PrefillScoresFillShortChunksAndPaddedTables) {
+  REQUIRE_GPU();
+  for (KvDtype dt : {KvDtype::kNvfp4, KvDtype::kFp8})
+    for (const ScorePrecision prec : {ScorePrecision::kFp32, ScorePrecision::kFp8Mma})
+      for (const bool tiles : {false, true}) {
+        ScopedEnv knob(prec == ScorePrecision::kFp8Mma ? "INDEXCP_SCORE_GEMM8" : "INDEXCP_SCORE_GEMM16");
+        knob.set(tiles ? "0" : "");
+        const std::string where = to_string(dt) + (prec == ScorePrecision::kFp8Mma ? " fp8_mma" : " fp32") +
+                                  (tiles ? " tiles" : " default");
+        {  // (a)
+          PrefillScene s;
+          s.req = make_requests({100}, 128, 7u);
+          exact_keys(s.req, 8u, s.keys, s.slots);
+          s.qs = {0, 100};
+          s.q = int_q(100, s.heads, 9u);
+          auto dev = device_shards(dt, s.req, 1, s.keys, s.slots);
+          DevPrefill d(s);
+          const int64_t mb = s.req.max_pages;  // P = 128
+          DevArr<float> out(static_cast<size_t>(100) * s.heads * mb);
+          out.fill_bytes(0x7f);
+          cuda::prefill_scores(dev[0], 0, d.b, 100, 100, 0, s.heads, out.get(), nullptr, prec);
+          CUDA_OK(cudaDeviceSynchronize());
+          const auto got = bits_of(out.host());
+          for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], 0xff800000u) << where << " short chunk, entry " << i;
+        }
+        {  // (b)
+          const int32_t P = 128;
+          auto s = prefill_scene(P, 33u, true);
+          auto dev = device_shards(dt, s.req, 1, s.keys, s.slots);
+          DevPrefill d(s);
+          const int32_t h0 = 0, nh = 3, mp = s.req.max_pages, mp2 = mp + 7;
+          const int64_t mb = mp, mb2 = mp2, nrows = s.qs.back();
+          std::vector<int32_t> bt2(static_cast<size_t>(s.req.seq_lens.size()) * mp2);
+          for (size_t b = 0; b < s.req.seq_lens.size(); ++b)
+            for (int32_t lp = 0; lp < mp2; ++lp)
+              bt2[b * mp2 + lp] = lp < mp ? s.req.block_table[b * mp + lp] : (lp & 1) ? -1 : 1 << 30;
+          DevArr<int32_t> bt2_d(bt2);
+          PrefillBatch b2 = d.b;
+          b2.block_table = bt2_d.get();
+          b2.max_pages = mp2;
+          int32_t max_rows = 1;
+          for (size_t b = 0; b + 1 < s.qs.size(); ++b) max_rows = std::max(max_rows, s.qs[b + 1] - s.qs[b]);
+          DevArr<float> out(static_cast<size_t>(nrows) * nh * mb), out2(static_cast<size_t>(nrows) * nh * mb2);
+          out.fill_bytes(0x7f);
+          out2.fill_bytes(0x3c);
+          cuda::prefill_scores(dev[0], 0, d.b, nrows, max_rows, h0, nh, out.get(), nullptr, prec);
+          cuda::prefill_scores(dev[0], 0, b2, nrows, max_rows, h0, nh, out2.get(), nullptr, prec);
+          CUDA_OK(cudaDeviceSynchronize());
+          const auto g = bits_of(out.host()), g2 = bits_of(out2.host());
+          int64_t scored = 0;
+          for (int64_t rh = 0; rh < nrows * nh; ++rh)
+            for (int64_t j = 0; j < mb2; ++j) {
+              const uint32_t x = g2[static_cast<size_t>(rh * mb2 + j)];
+              if (j < mb) {
+                ASSERT_EQ(x, g[static_cast<size_t>(rh * mb + j)]) << where << " padded table, (row, head) " << rh << " block " << j;
+                scored += x != 0xff800000u;
+              } else {
+                ASSERT_EQ(x, 0xff800000u) << where << " padded table, (row, head) " << rh << " block " << j;
+              }
+            }
+          EXPECT_GT(scored, 1000) << where;
+        }
+      }
 }
 
 // The synchronous prefill APIs check q's bytes on the GPU: a NaN byte (0x7F or 0xFF) anywhere,

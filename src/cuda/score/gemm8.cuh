@@ -941,8 +941,9 @@ __global__ void __launch_bounds__(g8_threads<PROD>(), 1) gemm8_score_kernel(cons
             // stage is taken (the `full` wait, the proxy fence, its block index) while the previous
             // block's tile 1 still runs, and that block's scores are stored after the next chains
             // are issued, so neither is between tile 1's maxima and the next issue.
-            // stage st (phase ph) once full: fenced for wgmma (the FP8 copies; redundant for the NVFP4
-            // stages, whose producer threads fence their stores) and its block (-1: the request's end)
+            // stage st (phase ph) once full: fenced for wgmma (redundant: the producer threads fence
+            // their own stores; taking it out of the block-order loop made it slower, v25) and its
+            // block (-1: the request's end)
             auto take = [&](int st, uint32_t ph) -> int32_t {
               mbar_wait(&full[st], ph);
               asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
