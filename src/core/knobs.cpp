@@ -176,6 +176,13 @@ const std::vector<Knob>& knob_table() {
       {"INDEXCP_SCORE_G8_SPLIT", K::kMacro, "1", "build",
        "1: the GEMM-shaped scorer commits each block's two m64 chains as two wgmma groups and takes the first tile's "
        "block maxima while the second runs; 0: one group (both forms)."},
+      {"INDEXCP_SCORE_G8_ROTATED", K::kMacro, "1", "build",
+       "1: the fp8_mma GEMM-shaped scorer's math warpgroups, with the producer warpgroup and NVFP4 keys, take the "
+       "next key stage while a block's second chain runs and store the block's scores after the next issue; 0: the "
+       "block-order loop (slower: bench/NOTES.md v27)."},
+      {"INDEXCP_SCORE_G8_TURNS", K::kMacro, "1", "build",
+       "0 drops the turn barriers between the two math warpgroups in the rotated loop of INDEXCP_SCORE_G8_ROTATED "
+       "(an experiment knob, 1-2% slower: bench/NOTES.md v27)."},
       {"INDEXCP_SCORE_WGMMA", K::kMacro, "1", "build", "0 builds the scorer without wgmma (mma.sync only)."},
       {"INDEXCP_SCORE_WGMMA_MIN_NT", K::kMacro, "2", "build", "the smallest tile width NT (8-vector groups) that uses wgmma."},
       {"INDEXCP_SCORE_WGMMA_NT1", K::kMacro, "0", "build", "1 lets NT = 1 tiles use wgmma too (this and INDEXCP_SCORE_WGMMA_MIN_NT do not apply to "
