@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -310,6 +311,13 @@ inline PrefillScene prefill_scene(int32_t P, uint32_t seed, bool exact) {
   s.qs = {0, 130, 830, 835, 835, 835 + 7};
   s.q = exact ? int_q(s.qs.back(), s.heads, seed + 2) : make_q(s.qs.back(), s.heads, seed + 2);
   return s;
+}
+
+/// The most rows of one request in query_start `qs` (prefill_scores' max_rows_per_request), at least 1.
+inline int32_t max_rows_of(const std::vector<int32_t>& qs) {
+  int32_t m = 1;
+  for (size_t b = 0; b + 1 < qs.size(); ++b) m = std::max(m, qs[b + 1] - qs[b]);
+  return m;
 }
 
 struct DevPrefill {

@@ -340,8 +340,7 @@ TEST(GpuPrefill, PrefillScoresEqualCpuAndReplayFromAGraph) {
       const int32_t h0 = 1, nh = 2;
       const BlockScores ref = score_blocks(host[0], 0, rows, s.req.block_table.data(), s.req.max_pages, s.q.data(),
                                            s.heads, h0, nh, KRounding::kE4m3);
-      int32_t max_rows = 1;
-      for (size_t b = 0; b + 1 < s.qs.size(); ++b) max_rows = std::max(max_rows, s.qs[b + 1] - s.qs[b]);
+      const int32_t max_rows = max_rows_of(s.qs);
       const int64_t nrows = s.qs.back();
       DevArr<float> out(static_cast<size_t>(nrows) * nh * ref.max_blocks);
       // Every query slice of a CTA (8 NT vectors) scores only the blocks historical for its last
@@ -424,8 +423,7 @@ TEST(GpuPrefill, PrefillScoresOutOfRangePageIdsGiveNegInf) {
       DevPrefill d(s);
       const int32_t h0 = 1, nh = 2, mp = s.req.max_pages;
       const int64_t mb = static_cast<int64_t>(mp) * P / 128, nrows = s.qs.back();
-      int32_t max_rows = 1;
-      for (size_t b = 0; b + 1 < s.qs.size(); ++b) max_rows = std::max(max_rows, s.qs[b + 1] - s.qs[b]);
+      const int32_t max_rows = max_rows_of(s.qs);
       // request 0 (3,000 tokens, rows at 2,870..2,999): logical page 5 -> -1; request 1 (700
       // tokens, rows at 0..699): logical page 1 -> num_pages + 3
       const int32_t bad[2][2] = {{0, 5}, {1, 1}};
@@ -525,8 +523,7 @@ TEST(GpuPrefill, PrefillScoresFillShortChunksAndPaddedTables) {
           PrefillBatch b2 = d.b;
           b2.block_table = bt2_d.get();
           b2.max_pages = mp2;
-          int32_t max_rows = 1;
-          for (size_t b = 0; b + 1 < s.qs.size(); ++b) max_rows = std::max(max_rows, s.qs[b + 1] - s.qs[b]);
+          const int32_t max_rows = max_rows_of(s.qs);
           DevArr<float> out(static_cast<size_t>(nrows) * nh * mb), out2(static_cast<size_t>(nrows) * nh * mb2);
           out.fill_bytes(0x7f);
           out2.fill_bytes(0x3c);
