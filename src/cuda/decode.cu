@@ -100,8 +100,11 @@ void prefill_scores(const CacheView& cache, int32_t layer, const PrefillBatch& b
   INDEXCP_REQUIRE(out != nullptr && batch.q != nullptr && batch.query_start != nullptr && batch.seq_lens != nullptr &&
                       batch.block_table != nullptr,
                   "out or a batch pointer is null");
-  const ScoreLaunch sl = prefill_score_launch(cache, layer, batch, rows, max_rows_per_request, h0, nh, precision, out);
-  launch_fill_neg_inf(out, rows * nh * sl.max_blocks, cs(stream));
+  ScoreLaunch sl = prefill_score_launch(cache, layer, batch, rows, max_rows_per_request, h0, nh, precision, out);
+  // -Inf only where the scorer writes nothing (not historical, out-of-range page ids): the scorer
+  // writes every other entry, so the fill writes a fraction of out, in the GEMM-shaped scorer or
+  // just before the tile scorer (launch_score; bench/NOTES.md v27)
+  sl.fill_unscored = true;
   launch_score(sl, cs(stream));
 }
 

@@ -49,6 +49,9 @@ struct ScoreLaunch {
   BlockFilter filter;
   float* scores = nullptr;            ///< [rows, nh, max_blocks]
   int64_t max_blocks = 0;
+  /// prefill rows: write -Inf where no scorer writes (rows.cuh, fill_unscored) before any score:
+  /// the GEMM-shaped scorer in its prologue, otherwise a launch_fill_unscored first
+  bool fill_unscored = false;
   /// device scratch int32 [num_requests + 1] for the work plan of batches of more than 2,048
   /// requests (smaller batches compute it in shared memory and leave it untouched); null:
   /// allocated on the stream when needed
@@ -80,6 +83,13 @@ int64_t score_bytes_read(const KeySource& keys, int32_t seq_len, BlockFilter fil
 
 /// Fills n floats with -Inf.
 void launch_fill_neg_inf(float* p, int64_t n, cudaStream_t stream);
+/// prefill_scores' -Inf in scores [rows.rows, nh, max_blocks] where no scorer writes: the blocks
+/// that are not historical for each row (spec/indexer.md section 2), and the historical blocks of
+/// block-table entries outside [0, num_pages) (pages of page_size tokens). Prefill rows only
+/// (rows.query_start set). Enqueue it before the scorer (launch_score does, for
+/// ScoreLaunch::fill_unscored, where the scorer does not do it itself).
+void launch_fill_unscored(const RowsView& rows, int32_t nh, int64_t max_blocks, const int32_t* block_table,
+                          int32_t max_pages, int32_t page_size, int64_t num_pages, float* out, cudaStream_t stream);
 
 // What the select and publish kernels read (a kernel parameter: kept to these fields, since a
 // larger parameter struct changed the CTA kernels' code generation and cost the publish about

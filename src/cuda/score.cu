@@ -595,7 +595,17 @@ const char* last_score_kernel() { return t_last_kernel; }
 
 void launch_score(const ScoreLaunch& s, cudaStream_t stream) {
   t_last_kernel = "";
-  if (s.rows.num_requests == 0 || s.nh == 0) return;
+  INDEXCP_REQUIRE(!s.fill_unscored || (s.rows.query_start != nullptr && !s.keys.gather),
+                  "fill_unscored needs prefill rows (query_start) over a cache's own block table");
+  auto fill_first = [&] {  // ScoreLaunch::fill_unscored by its own kernel
+    if (s.fill_unscored)
+      launch_fill_unscored(s.rows, s.nh, s.max_blocks, s.block_table, s.max_pages, s.keys.layout.page_size,
+                           s.keys.num_pages, s.scores, stream);
+  };
+  if (s.rows.num_requests == 0 || s.nh == 0) {
+    fill_first();
+    return;
+  }
   ScoreArgs a;
   a.keys = s.keys;
   a.rows = s.rows;
@@ -612,6 +622,7 @@ void launch_score(const ScoreLaunch& s, cudaStream_t stream) {
   a.debug = 0;
   a.wg_desc_bits = wg_desc_fixed_bits();
   a.g8_slices = 0;
+  a.fill_unscored = 0;
   if (const char* e = ::indexcp::detail::knob_env("INDEXCP_SCORE_DEBUG")) a.debug = std::atoi(e);
   const PageLayout& L = s.keys.layout;
   const int32_t R = L.rows();
@@ -661,6 +672,10 @@ void launch_score(const ScoreLaunch& s, cudaStream_t stream) {
   // and more than 128 query vectors per request (it holds 256 per CTA; INDEXCP_SCORE_MAX_NT below
   // 16 keeps the tiles): the fp8_mma form ("gemm8") or the fp32 form ("gemm16")
   const bool gemm = nt == kMaxNt && nvec_max > kMaxNt * 8 && (s.keys.gather || R >= kBlockTokens) && mode != kModeExact;
+  // the -Inf fill (ScoreLaunch::fill_unscored): in the GEMM-shaped scorer's math warps at their
+  // start (its stores overlap the CTAs' plan and first loads), otherwise by its own kernel first
+  if (gemm && gemm8_enabled(m8)) a.fill_unscored = s.fill_unscored ? 1 : 0;
+  else fill_first();
   if (gemm && m8 && gemm8_enabled(true)) {
     if (gemm8_producer()) {  // the producer warpgroup (INDEXCP_SCORE_G8_PRODUCER)
       if (s.keys.gather) launch_gemm8<true, false, false, true>(a, nvec_max, stream);

@@ -29,6 +29,7 @@
 
 #include "common.cuh"
 #include "kernels.cuh"
+#include "rows.cuh"
 #include "core/knobs.hpp"
 
 namespace indexcp::cuda::detail {
@@ -54,23 +55,6 @@ struct WarpSmemT {
   int32_t sidx[kSurv];
 };
 using WarpSmem = WarpSmemT<kStaged>;
-
-__device__ __forceinline__ int64_t row_position(const RowsView& v, int64_t row) {
-  if (v.query_start == nullptr) {
-    const int32_t b = static_cast<int32_t>(row / v.query_len);
-    const int32_t i = static_cast<int32_t>(row % v.query_len);
-    const int32_t s = v.seq_lens[b];
-    return s > 0 ? static_cast<int64_t>(s) - v.query_len + i : -1;
-  }
-  int32_t lo = 0, hi = v.num_requests - 1;  // the request whose chunk holds the row
-  while (lo < hi) {
-    const int32_t mid = (lo + hi + 1) / 2;
-    if (v.query_start[mid] <= row) lo = mid;
-    else hi = mid - 1;
-  }
-  const int32_t t = v.query_start[lo + 1] - v.query_start[lo];
-  return static_cast<int64_t>(v.seq_lens[lo]) - t + (row - v.query_start[lo]);
-}
 
 __device__ __forceinline__ uint32_t lanemask_lt() { return (1u << (threadIdx.x & 31)) - 1u; }
 

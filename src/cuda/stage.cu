@@ -1,11 +1,12 @@
 // FP8 staging of shard pages (the prefill gather's rows, spec/indexer.md section 5.2) and the -Inf
-// fill of score buffers: small kernels of their own, apart from the scorer.
+// fills of score buffers: small kernels of their own, apart from the scorer.
 #include <algorithm>
 #include <cmath>
 #include <string>
 
 #include "common.cuh"
 #include "kernels.cuh"
+#include "rows.cuh"
 
 namespace indexcp::cuda::detail {
 
@@ -15,6 +16,15 @@ __global__ void fill_kernel(float* p, int64_t n, float v) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
     p[i] = v;
+}
+
+// prefill_scores' -Inf where no scorer writes (rows.cuh, fill_unscored), one warp per row, before
+// a scorer that does not write it itself
+__global__ void fill_unscored_kernel(const RowsView rows, int32_t nh, int64_t max_blocks, const int32_t* block_table,
+                                     int32_t max_pages, int32_t page_size, int64_t num_pages, float* out) {
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x >> 5);
+  const int64_t w = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  fill_unscored(rows, nh, max_blocks, block_table, max_pages, page_size, num_pages, out, w, warps);
 }
 
 __global__ void stage_fp8_kernel(const uint8_t* layer_base, PageLayout L, int64_t cache_pages,
@@ -61,6 +71,16 @@ void launch_fill_neg_inf(float* p, int64_t n, cudaStream_t stream) {
   const int64_t blocks = std::min<int64_t>(ceil_div(n, 256), 4096);
   fill_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p, n, -INFINITY);
   INDEXCP_CUDA_LAUNCH_CHECK("fill kernel launch");
+}
+
+void launch_fill_unscored(const RowsView& rows, int32_t nh, int64_t max_blocks, const int32_t* block_table,
+                          int32_t max_pages, int32_t page_size, int64_t num_pages, float* out, cudaStream_t stream) {
+  if (rows.rows <= 0 || nh <= 0 || max_blocks <= 0) return;
+  // a warp per row: 8 warps per CTA, at most 16 CTAs per multiprocessor's worth
+  const int64_t blocks = std::min<int64_t>(ceil_div(rows.rows, 8), static_cast<int64_t>(sm_count()) * 16);
+  fill_unscored_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(rows, nh, max_blocks, block_table, max_pages,
+                                                                         page_size, num_pages, out);
+  INDEXCP_CUDA_LAUNCH_CHECK("fill_unscored kernel launch");
 }
 
 void launch_stage_fp8(const uint8_t* layer_base, const PageLayout& layout, int64_t cache_pages,

@@ -92,6 +92,7 @@
 
 #include "cuda/common.cuh"
 #include "cuda/kernels.cuh"
+#include "cuda/rows.cuh"
 #include "cuda/score/ptx.cuh"
 #include "cuda/score/schedule.cuh"
 #include "cuda/score/tiles.cuh"
@@ -528,6 +529,7 @@ __global__ void __launch_bounds__(g8_threads<PROD>(), 1) gemm8_score_kernel(cons
   int32_t y = blockIdx.y;   // the segment's slice
   int64_t lo = 0, hi = 0;   // persistent: this CTA's share of all slices' pairs
   int64_t pre = 0;          // persistent: the pairs of slices before y
+  bool idle = false;        // persistent: a CTA of no pairs (W below the CTA count)
   if (persist) {
     __shared__ int64_t s_first[2];  // the first slice of the share and the pairs before it
     using Scan64 = cub::BlockScan<int64_t, kT>;
@@ -544,9 +546,9 @@ __global__ void __launch_bounds__(g8_threads<PROD>(), 1) gemm8_score_kernel(cons
     }
     lo = W * blockIdx.x / gridDim.x;
     hi = W * (blockIdx.x + 1) / gridDim.x;
-    if (lo >= hi) return;
+    idle = lo >= hi;  // (no pairs: only the fill below, if any)
     int64_t carry = 0;
-    for (int32_t y0 = 0; y0 < nslices; y0 += kT) {
+    for (int32_t y0 = 0; !idle && y0 < nslices; y0 += kT) {
       const int32_t yy = y0 + static_cast<int32_t>(threadIdx.x);
       const int64_t t = y0 == 0 ? t_first : yy < nslices ? gemm8_slice_pairs<GATHER>(a, yy) : 0;
       int64_t excl, tot;
@@ -559,8 +561,10 @@ __global__ void __launch_bounds__(g8_threads<PROD>(), 1) gemm8_score_kernel(cons
       __syncthreads();  // scan64 is reused; s_first is written
       if (carry > lo) break;
     }
-    y = static_cast<int32_t>(s_first[0]);
-    pre = s_first[1];
+    if (!idle) {
+      y = static_cast<int32_t>(s_first[0]);
+      pre = s_first[1];
+    }
   }
 
   // The rest runs as one role: `producer` true for the producer warpgroup (PROD), false for the
@@ -570,6 +574,17 @@ __global__ void __launch_bounds__(g8_threads<PROD>(), 1) gemm8_score_kernel(cons
   // keep 168 for both).
   auto run = [&](auto role) {
     constexpr bool producer = decltype(role)::value;
+    // prefill_scores' -Inf where no scorer writes (ScoreLaunch::fill_unscored), shared by the math
+    // warps of every CTA of the grid, idle ones included: no scorer store touches those entries
+    // (rows.cuh), so there is nothing to order; the stores overlap the prologue and the producer's
+    // first stages (bench/NOTES.md v27). (Before the role split it made ptxas spill.)
+    if (!producer && a.fill_unscored) {
+      constexpr int64_t wpc = kG8Threads / 32;
+      const int64_t cta = static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x;
+      fill_unscored(a.rows, a.nh, a.max_blocks, a.block_table, a.max_pages, a.keys.layout.page_size, a.keys.num_pages,
+                    a.scores, cta * wpc + (threadIdx.x >> 5), static_cast<int64_t>(gridDim.x) * gridDim.y * wpc);
+    }
+    if (idle) return;  // (both roles: no barrier follows)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
     const int wg = warp >> 2, wq = warp & 3;
     const Geo G(a.keys);
