@@ -29,10 +29,11 @@ const std::vector<Knob>& knob_table() {
       {"INDEXCP_SELECT", K::kEnv, "", "library (CUDA)",
        "warp or cta forces the selection / publish kernel (the GPU tests run both); unset: the CTA kernel up to "
        "4 problems per multiprocessor, the warp kernel above."},
-      {"INDEXCP_SELECT_SMALL", K::kEnv, "", "library (CUDA)",
-       "0 keeps the select / publish warp kernel's large instance (rows of up to 1,536 blocks staged) for every "
-       "launch (a GPU test run covers it this way); unset: launches whose rows have at most 512 blocks (max_blocks) "
-       "take the small instance, with twice the warps per multiprocessor."},
+      {"INDEXCP_SELECT_STAGED", K::kEnv, "", "library (CUDA)",
+       "512, 1024 or 1536 forces the select / publish warp kernel's instance (the keys of a row it stages in shared "
+       "memory; longer rows are read from L2) for every launch (the GPU tests run each; 1024 is select only, a "
+       "publish takes 1536); unset: the smallest that holds max_blocks, so the most warps per multiprocessor. Any "
+       "other value is refused."},
       {"INDEXCP_SCORE_PLAN", K::kEnv, "", "library (CUDA)",
        "kernel forces the scorer's separate work-plan kernel (the tests compare it with the in-CTA plan); unset: "
        "the plan is computed by each CTA up to 2,048 requests."},

@@ -46,11 +46,17 @@ constexpr int kStaged = 1536;  // keys staged per warp: rows of up to 1536 block
 // per warp, so twice the warps per multiprocessor (then the registers bound them), for a kernel
 // that waits on its loads and shuffles (bench/NOTES.md, v24).
 constexpr int kStagedSmall = 512;
+// The select kernel's (not the publish's) third instance, for rows of at most 1024 blocks (128K
+// tokens): without the publish's indices its warps need 4.6 KiB each, so that registers, not shared
+// memory, bound the warps per multiprocessor (bench/NOTES.md v28).
+constexpr int kStagedMid = 1024;
 
-template <int STAGED>
+// IDX: the publish's candidate indices (select has none: a third less shared memory per warp, so
+// more warps per multiprocessor)
+template <int STAGED, bool IDX = true>
 struct WarpSmemT {
-  uint32_t key[STAGED];  // select / publish: candidate keys (publish: compacted); merge: K and ids
-  uint16_t idx[STAGED];  // publish: the candidate index (block - init) of each compacted key
+  uint32_t key[STAGED];             // select / publish: candidate keys (publish: compacted); merge: K and ids
+  uint16_t idx[IDX ? STAGED : 2];   // publish: the candidate index (block - init) of each compacted key
   uint32_t skey[kSurv];
   int32_t sidx[kSurv];
 };
@@ -246,8 +252,10 @@ struct SelectProblem {
   // pub: publish (s.cands != nullptr, which the launch checked); a compile-time constant in each
   // kernel instance
   __device__ __forceinline__ SelectProblem(const SelectArgs& s, int64_t problem, bool pub) {
-    row = problem / s.nh;
-    hh = static_cast<int32_t>(problem % s.nh);
+    // (problems < 2^31: launch_select checks it; a 32-bit division is a fraction of a 64-bit one)
+    const int32_t p32 = static_cast<int32_t>(problem);
+    row = p32 / s.nh;
+    hh = p32 % s.nh;
     const int64_t pos = row_position(s.rows, row);
     n_vis = pos < 0 ? 0 : pos / kBlockTokens + 1;
     kk = s.sel.topk - 1 - s.sel.init_blocks;
@@ -397,7 +405,7 @@ __device__ __forceinline__ bool signatures_differ(const MergeLaunch& mg) {
 // 9,144 instructions long and stalled on instruction fetch: bench/NOTES.md, v10)
 template <bool PUBLISH, int STAGED>
 __global__ void __launch_bounds__(kWarpsPerCta * 32) select_warp_kernel(const SelectArgs s, const SignatureOut so) {
-  __shared__ WarpSmemT<STAGED> shm[kWarpsPerCta];
+  __shared__ WarpSmemT<STAGED, PUBLISH> shm[kWarpsPerCta];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t problem = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + warp;
   if (PUBLISH && so.signature != nullptr && blockIdx.x == gridDim.x - 1) {  // the signature's own block
@@ -405,7 +413,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) select_warp_kernel(const Se
     return;
   }
   if (problem >= s.rows.rows * s.nh) return;
-  WarpSmemT<STAGED>& sh = shm[warp];
+  WarpSmemT<STAGED, PUBLISH>& sh = shm[warp];
   const SelectProblem pb(s, problem, PUBLISH);
   const SelectionParams sel = s.sel;
   const int32_t kk = pb.kk, local = pb.local, nc = pb.n, init = pb.init;
@@ -822,19 +830,27 @@ void launch_select(const SelectLaunch& launch, cudaStream_t stream) {
     cta = problems <= int64_t{4} * sms;
   }
   const bool publish = s.cands != nullptr;
-  // rows of at most kStagedSmall blocks (max_blocks is the scores' row stride, so no row has more)
-  // take the warp kernel with the smaller staging (INDEXCP_SELECT_SMALL=0: never; experiment knob)
-  const char* es = ::indexcp::detail::knob_env("INDEXCP_SELECT_SMALL");
-  const bool small = s.max_blocks <= kStagedSmall && !(es && std::strcmp(es, "0") == 0);
+  // the warp kernel's instance: the smallest staging that holds max_blocks (the scores' row stride,
+  // so no row has more): 512 (select and publish), 1024 (select only), else 1536, rows longer than
+  // that read from L2. INDEXCP_SELECT_STAGED = 512 | 1024 | 1536 forces one for every launch (the GPU
+  // tests run each; any staging is correct for any row); 1024 means 1536 for a publish.
+  int staged = s.max_blocks <= kStagedSmall ? kStagedSmall : (!publish && s.max_blocks <= kStagedMid) ? kStagedMid : kStaged;
+  if (const char* es = ::indexcp::detail::knob_env("INDEXCP_SELECT_STAGED")) {
+    const int v = std::atoi(es);
+    INDEXCP_REQUIRE(v == kStagedSmall || v == kStagedMid || v == kStaged,
+                    std::string("INDEXCP_SELECT_STAGED = '") + es + "' must be 512, 1024 or 1536");
+    staged = publish && v == kStagedMid ? kStaged : v;
+  }
   // a publish that signs its record gets one more block, which writes the signature alone (in
   // parallel with the problems: no block's work grows)
   const unsigned ctas = static_cast<unsigned>((cta ? problems : ceil_div(problems, kWarpsPerCta)) +
                                               (publish && so.signature != nullptr ? 1 : 0));
   if (cta && publish) select_cta_kernel<true><<<ctas, kSelThreads, 0, stream>>>(s, so);
   else if (cta) select_cta_kernel<false><<<ctas, kSelThreads, 0, stream>>>(s, SignatureOut{});
-  else if (publish && small) select_warp_kernel<true, kStagedSmall><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, so);
+  else if (publish && staged == kStagedSmall) select_warp_kernel<true, kStagedSmall><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, so);
   else if (publish) select_warp_kernel<true, kStaged><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, so);
-  else if (small) select_warp_kernel<false, kStagedSmall><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, SignatureOut{});
+  else if (staged == kStagedSmall) select_warp_kernel<false, kStagedSmall><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, SignatureOut{});
+  else if (staged == kStagedMid) select_warp_kernel<false, kStagedMid><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, SignatureOut{});
   else select_warp_kernel<false, kStaged><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, SignatureOut{});
   INDEXCP_CUDA_LAUNCH_CHECK("select kernel launch");
 }
