@@ -31,47 +31,81 @@ __device__ __forceinline__ int64_t row_position(const RowsView& v, int64_t row) 
 }
 
 /// prefill_scores' -Inf where no scorer writes (spec/indexer.md section 2), in scores [rows.rows,
-/// nh, max_blocks]: blocks olim .. max_blocks - 1 of every (row, head), olim = the row's historical
-/// blocks (position / 128; 0 for a request that scores nothing and for rows past
-/// query_start[num_requests]); and the historical blocks of block-table entries outside [0,
-/// num_pages), which every scorer skips (an unvalidated batch). Shared by `nwarps` warps, this one
-/// being warp `w` of them (rows w, w + nwarps, ...; entries likewise, one per lane). No scorer
-/// store touches these entries (page sizes are multiples of 128, so a block lies in one page), so
-/// the fill may run before or beside the scorer. Prefill rows only (query_start set).
+/// nh, max_blocks]: (1) blocks olim .. max_blocks - 1 of every (row, head), olim = the row's
+/// historical blocks (position / 128, at most max_blocks; 0 where the position is below 0 and for
+/// rows outside [query_start[0], query_start[num_requests])); (2) the historical blocks of
+/// block-table entries outside [0, num_pages), which every scorer skips (an unvalidated batch).
+/// Shared by `nwarps` warps, this one being warp `w` of them: (1) a contiguous range of rows per
+/// warp (the request found once, then followed), lanes over the blocks; (2) a warp per request,
+/// lanes over the entries of the pages that hold a historical block of its last row (padding past
+/// them, -1 or anything, is never read), the (row, head, block) entries of a bad one spread over
+/// the warp. No scorer store touches these entries (page sizes are multiples of 128, so a block
+/// lies in one page), so the fill may run before or beside the scorer. Prefill rows only
+/// (query_start set). Every lane of the warp calls it (warp-uniform loops, ballots).
 __device__ __forceinline__ void fill_unscored(const RowsView& rows, int32_t nh, int64_t max_blocks,
                                               const int32_t* block_table, int32_t max_pages, int32_t page_size,
                                               int64_t num_pages, float* out, int64_t w, int64_t nwarps) {
   const int lane = threadIdx.x & 31;
-  const int32_t qend = rows.query_start[rows.num_requests];
-  auto olim_of = [&](int64_t row) -> int64_t {
-    const int64_t pos = row < qend ? row_position(rows, row) : -1;
-    return pos < 0 ? 0 : (pos >> 7) < max_blocks ? (pos >> 7) : max_blocks;
-  };
-  for (int64_t row = w; row < rows.rows; row += nwarps) {
-    const int64_t olim = olim_of(row);
+  const int32_t* qs = rows.query_start;
+  const int32_t B = rows.num_requests;
+  const int64_t qbeg = qs[0], qend = qs[B];
+  auto cap = [&](int64_t pos) -> int64_t { return pos < 0 ? 0 : (pos >> 7) < max_blocks ? (pos >> 7) : max_blocks; };
+  // (1) rows r0 .. r1 - 1
+  const int64_t r0 = rows.rows * w / nwarps, r1 = rows.rows * (w + 1) / nwarps;
+  int32_t b = -1;                  // the request of the current row (once a row inside [qbeg, qend) came)
+  int64_t q0 = 0, q1 = 0, p0 = 0;  // its rows and the position of its first row
+  for (int64_t row = r0; row < r1; ++row) {
+    int64_t olim = 0;
+    if (row >= qbeg && row < qend) {
+      if (b < 0 || row >= q1) {  // the last request whose chunk starts at or before the row (as row_position)
+        if (b < 0) {
+          int32_t lo = 0, hi = B - 1;
+          while (lo < hi) {
+            const int32_t mid = (lo + hi + 1) / 2;
+            if (qs[mid] <= row) lo = mid;
+            else hi = mid - 1;
+          }
+          b = lo;
+        }
+        while (qs[b + 1] <= row) ++b;  // (stops at B - 1: qs[B] = qend > row)
+        q0 = qs[b];
+        q1 = qs[b + 1];
+        p0 = static_cast<int64_t>(rows.seq_lens[b]) - (q1 - q0);
+      }
+      olim = cap(p0 + (row - q0));
+    }
     for (int32_t h = 0; h < nh; ++h) {
       float* o = out + (row * nh + h) * max_blocks;
       for (int64_t j = olim + lane; j < max_blocks; j += 32) o[j] = -INFINITY;
     }
   }
-  // the block-table entries of every request: those past the request's historical blocks (the
-  // padding of a fixed max_pages, -1 or anything) cost one comparison; an out-of-range entry inside
-  // them (an unvalidated batch) has its block(s) written for the rows that see them
-  const int64_t entries = static_cast<int64_t>(rows.num_requests) * max_pages;
-  for (int64_t e = w * 32 + lane; e < entries; e += nwarps * 32) {
-    const int32_t b = static_cast<int32_t>(e / max_pages), lp = static_cast<int32_t>(e % max_pages);
-    const int64_t q0 = rows.query_start[b], q1 = rows.query_start[b + 1], seq = rows.seq_lens[b];
-    const int64_t p0 = seq - (q1 - q0);  // the position of the request's first row
-    const int64_t first = (static_cast<int64_t>(lp) * page_size) >> 7, last = ((lp + int64_t{1}) * page_size - 1) >> 7;
-    if (seq <= 0 || q1 <= q0 || first >= ((seq - 1) >> 7) || first >= max_blocks) continue;  // historical for no row
-    const int32_t page = block_table[e];
-    if (page >= 0 && page < num_pages) continue;
-    // block j is historical for row q0 + i where p0 + i >= (j + 1) * 128
-    for (int64_t i = (first + 1) * 128 - p0 > 0 ? (first + 1) * 128 - p0 : 0; q0 + i < q1; ++i) {
-      const int64_t row = q0 + i, olim = ((p0 + i) >> 7) < max_blocks ? (p0 + i) >> 7 : max_blocks;
-      if (row >= rows.rows) break;
-      for (int64_t j = first; j <= last && j < olim; ++j)
-        for (int32_t h = 0; h < nh; ++h) out[(row * nh + h) * max_blocks + j] = -INFINITY;
+  // (2) request rb's out-of-range entries among its pages that hold a historical block
+  for (int64_t rb = w; rb < B; rb += nwarps) {
+    const int64_t a0 = qs[rb], a1 = qs[rb + 1], seq = rows.seq_lens[rb];
+    if (seq <= 0 || a1 <= a0) continue;
+    const int64_t pa = seq - (a1 - a0);  // the position of the request's first row
+    const int64_t hist = (seq - 1) >> 7 < max_blocks ? (seq - 1) >> 7 : max_blocks;  // blocks historical for some row
+    const int64_t pages = (hist * 128 + page_size - 1) / page_size < max_pages ? (hist * 128 + page_size - 1) / page_size
+                                                                               : max_pages;
+    for (int64_t lp0 = 0; lp0 < pages; lp0 += 32) {
+      bool bad = false;
+      if (lp0 + lane < pages) {
+        const int32_t page = block_table[rb * max_pages + lp0 + lane];
+        bad = page < 0 || page >= num_pages;
+      }
+      for (unsigned m = __ballot_sync(0xffffffffu, bad); m != 0u; m &= m - 1u) {
+        const int64_t lp = lp0 + __ffs(m) - 1;
+        const int64_t first = lp * page_size >> 7;
+        const int64_t nb = ((lp + 1) * page_size >> 7) < hist ? ((lp + 1) * page_size >> 7) - first : hist - first;
+        // block j is historical for row a0 + i where pa + i >= (j + 1) * 128
+        const int64_t i0 = (first + 1) * 128 - pa > 0 ? (first + 1) * 128 - pa : 0;
+        const int64_t n = a1 - a0 > i0 ? (a1 - a0 - i0) * nh * nb : 0;  // (row, head, block) triples
+        for (int64_t t = lane; t < n; t += 32) {
+          const int64_t j = first + t % nb, rh = t / nb, i = i0 + rh / nh, row = a0 + i;
+          const int32_t h = static_cast<int32_t>(rh % nh);
+          if (row < rows.rows && j < cap(pa + i)) out[(row * nh + h) * max_blocks + j] = -INFINITY;
+        }
+      }
     }
   }
 }

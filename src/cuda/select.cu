@@ -253,9 +253,9 @@ struct SelectProblem {
   // kernel instance
   __device__ __forceinline__ SelectProblem(const SelectArgs& s, int64_t problem, bool pub) {
     // (problems < 2^31: launch_select checks it; a 32-bit division is a fraction of a 64-bit one)
-    const int32_t p32 = static_cast<int32_t>(problem);
-    row = p32 / s.nh;
-    hh = p32 % s.nh;
+    const uint32_t p32 = static_cast<uint32_t>(problem), nh32 = static_cast<uint32_t>(s.nh);
+    row = p32 / nh32;
+    hh = static_cast<int32_t>(p32 % nh32);
     const int64_t pos = row_position(s.rows, row);
     n_vis = pos < 0 ? 0 : pos / kBlockTokens + 1;
     kk = s.sel.topk - 1 - s.sel.init_blocks;
@@ -836,8 +836,9 @@ void launch_select(const SelectLaunch& launch, cudaStream_t stream) {
   // tests run each; any staging is correct for any row); 1024 means 1536 for a publish.
   int staged = s.max_blocks <= kStagedSmall ? kStagedSmall : (!publish && s.max_blocks <= kStagedMid) ? kStagedMid : kStaged;
   if (const char* es = ::indexcp::detail::knob_env("INDEXCP_SELECT_STAGED")) {
-    const int v = std::atoi(es);
-    INDEXCP_REQUIRE(v == kStagedSmall || v == kStagedMid || v == kStaged,
+    const int v = std::strcmp(es, "512") == 0 ? kStagedSmall : std::strcmp(es, "1024") == 0 ? kStagedMid
+                  : std::strcmp(es, "1536") == 0 ? kStaged : 0;
+    INDEXCP_REQUIRE(v != 0,
                     std::string("INDEXCP_SELECT_STAGED = '") + es + "' must be 512, 1024 or 1536");
     staged = publish && v == kStagedMid ? kStaged : v;
   }

@@ -18,8 +18,8 @@ __global__ void fill_kernel(float* p, int64_t n, float v) {
     p[i] = v;
 }
 
-// prefill_scores' -Inf where no scorer writes (rows.cuh, fill_unscored), one warp per row, before
-// a scorer that does not write it itself
+// prefill_scores' -Inf where no scorer writes (rows.cuh, fill_unscored), the warps sharing the rows
+// and the requests, before a scorer that does not write it itself
 __global__ void fill_unscored_kernel(const RowsView rows, int32_t nh, int64_t max_blocks, const int32_t* block_table,
                                      int32_t max_pages, int32_t page_size, int64_t num_pages, float* out) {
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x >> 5);
@@ -76,8 +76,9 @@ void launch_fill_neg_inf(float* p, int64_t n, cudaStream_t stream) {
 void launch_fill_unscored(const RowsView& rows, int32_t nh, int64_t max_blocks, const int32_t* block_table,
                           int32_t max_pages, int32_t page_size, int64_t num_pages, float* out, cudaStream_t stream) {
   if (rows.rows <= 0 || nh <= 0 || max_blocks <= 0) return;
-  // a warp per row: 8 warps per CTA, at most 16 CTAs per multiprocessor's worth
-  const int64_t blocks = std::min<int64_t>(ceil_div(rows.rows, 8), static_cast<int64_t>(sm_count()) * 16);
+  // a warp per row and per request: 8 warps per CTA, at most 16 CTAs per multiprocessor's worth
+  const int64_t blocks = std::min<int64_t>(ceil_div(std::max<int64_t>(rows.rows, rows.num_requests), 8),
+                                           static_cast<int64_t>(sm_count()) * 16);
   fill_unscored_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(rows, nh, max_blocks, block_table, max_pages,
                                                                          page_size, num_pages, out);
   INDEXCP_CUDA_LAUNCH_CHECK("fill_unscored kernel launch");

@@ -576,8 +576,9 @@ __global__ void __launch_bounds__(g8_threads<PROD>(), 1) gemm8_score_kernel(cons
     constexpr bool producer = decltype(role)::value;
     // prefill_scores' -Inf where no scorer writes (ScoreLaunch::fill_unscored), shared by the math
     // warps of every CTA of the grid, idle ones included: no scorer store touches those entries
-    // (rows.cuh), so there is nothing to order; the stores overlap the prologue and the producer's
-    // first stages (bench/NOTES.md v27). (Before the role split it made ptxas spill.)
+    // (rows.cuh), so there is nothing to order. At the start: the producer waits for it at the
+    // first segment's plan barrier (about a microsecond); placed after that plan, it made ptxas
+    // spill in three instances (bench/NOTES.md v28). (Before the role split it made ptxas spill.)
     if (!producer && a.fill_unscored) {
       constexpr int64_t wpc = kG8Threads / 32;
       const int64_t cta = static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x;
