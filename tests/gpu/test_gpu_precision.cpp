@@ -389,7 +389,7 @@ TEST(GpuFp8Mma, GemmScorerEqualsTheTileScorer) {
               const bool tiles = run == 1;
               gemm_env.set(tiles ? "0" : "");  // the default in both modes
               prod_env.set(run == 2 ? "0" : "");
-              out.fill_bytes(0x7f);  // (prefill_scores writes -inf everywhere first, then the scores)
+              out.fill_bytes(0x7f);  // (prefill_scores writes -inf where the scorer writes nothing)
               cuda::prefill_scores(dev_c[0], 0, batch, nrows, max_rows, h0, nh, out.get(), nullptr, prec);
               const std::string ran = cuda::detail::last_score_kernel();
               CUDA_OK(cudaDeviceSynchronize());

@@ -1,5 +1,7 @@
 // GPU FP8 staging (C07), replicated / gather / local_score prefill, prefill == decode on the
 // same keys, and the CUDA TpIndexer against the CPU one.
+#include <bit>
+#include <cmath>
 #include <cstring>
 
 #include "gpu_util.hpp"
@@ -545,6 +547,101 @@ TEST(GpuPrefill, PrefillScoresFillShortChunksAndPaddedTables) {
           EXPECT_GT(scored, 1000) << where;
         }
       }
+}
+
+// prefill_scores' -Inf fill at an engine's shapes: an 8,192-row chunk of a 16K-token request, a
+// request with no rows this step whose block-table entries are garbage, a 100-row chunk, and 5 rows
+// past query_start[num_requests]; page sizes 128 and 256, both modes through the default (GEMM-
+// shaped) scorer, and the tile scorer in fp32. Three runs, out prefilled with a byte pattern each
+// time: (1) the exact table; (2) the table padded with 512 more entries per request (-1 and a
+// huge page id, as a caller with a fixed max_pages writes it): equal to (1) where (1) has a block,
+// -Inf beyond; (3) one out-of-range entry inside the long request: (1)'s entries except that
+// page's blocks, which are -Inf for every row that sees them. In (1) every entry is a finite score
+// (written) below the row's historical limit and -Inf from it on.
+TEST(GpuPrefill, PrefillScoresFillAtEngineScale) {
+  REQUIRE_GPU();
+  for (const int32_t P : {128, 256})
+    for (int run = 0; run < 3; ++run) {
+      const ScorePrecision prec = run == 1 ? ScorePrecision::kFp8Mma : ScorePrecision::kFp32;
+      const bool tiles = run == 2;
+      ScopedEnv knob("INDEXCP_SCORE_GEMM16");
+      knob.set(tiles ? "0" : "");
+      const std::string where = "P" + std::to_string(P) + (prec == ScorePrecision::kFp8Mma ? " fp8_mma" : " fp32") +
+                                (tiles ? " tiles" : " default");
+      PrefillScene s;
+      s.heads = 2;
+      s.req = make_requests({16384, 700, 300}, P, 41u);
+      exact_keys(s.req, 42u, s.keys, s.slots);
+      s.qs = {0, 8192, 8192, 8292};
+      const int64_t nrows = 8292 + 5;
+      s.q = int_q(nrows, s.heads, 43u);
+      auto dev = device_shards(KvDtype::kNvfp4, s.req, 1, s.keys, s.slots);
+      const int32_t mp = s.req.max_pages, mp2 = mp + 512, nh = 2;
+      for (int32_t lp = 0; lp < mp; ++lp) s.req.block_table[static_cast<size_t>(mp) + lp] = (lp & 1) ? -7 : 1 << 30;
+      const int64_t mb = static_cast<int64_t>(mp) * P / 128, mb2 = static_cast<int64_t>(mp2) * P / 128;
+      DevPrefill d(s);
+      auto scores = [&](const std::vector<int32_t>& bt, int32_t max_pages, int64_t blocks, uint8_t pattern,
+                        std::vector<uint32_t>& got) {
+        DevArr<int32_t> bt_d(bt);
+        PrefillBatch b = d.b;
+        b.block_table = bt_d.get();
+        b.max_pages = max_pages;
+        DevArr<float> out(static_cast<size_t>(nrows) * nh * blocks);
+        out.fill_bytes(pattern);
+        cuda::prefill_scores(dev[0], 0, b, nrows, 8192, 0, nh, out.get(), nullptr, prec);
+        CUDA_OK(cudaDeviceSynchronize());
+        got = bits_of(out.host());
+      };
+      const uint32_t ninf = 0xff800000u;
+      // the historical blocks of row r (the CPU's rule, spec/indexer.md section 2)
+      auto olim = [&](int64_t r) -> int64_t {
+        for (size_t b = 0; b + 1 < s.qs.size(); ++b)
+          if (r >= s.qs[b] && r < s.qs[b + 1]) return std::min<int64_t>((s.req.seq_lens[b] - (s.qs[b + 1] - s.qs[b]) + (r - s.qs[b])) / 128, mb);
+        return 0;
+      };
+      std::vector<uint32_t> g1, g2, g3;
+      scores(s.req.block_table, mp, mb, 0x7f, g1);
+      ASSERT_EQ(g1.size(), static_cast<size_t>(nrows * nh * mb)) << where;
+      int64_t scored = 0;
+      for (int64_t r = 0; r < nrows; ++r)
+        for (int32_t h = 0; h < nh; ++h)
+          for (int64_t j = 0; j < mb; ++j) {
+            const uint32_t x = g1[static_cast<size_t>((r * nh + h) * mb + j)];
+            if (j < olim(r)) {
+              ASSERT_TRUE(std::isfinite(std::bit_cast<float>(x))) << where << " row " << r << " head " << h << " block " << j;
+              ++scored;
+            } else {
+              ASSERT_EQ(x, ninf) << where << " row " << r << " head " << h << " block " << j;
+            }
+          }
+      EXPECT_GT(scored, int64_t{8192} * nh * (8192 / 128)) << where;
+      std::vector<int32_t> bt2(static_cast<size_t>(3) * mp2);
+      for (int32_t b = 0; b < 3; ++b)
+        for (int32_t lp = 0; lp < mp2; ++lp)
+          bt2[static_cast<size_t>(b) * mp2 + lp] = lp < mp ? s.req.block_table[static_cast<size_t>(b) * mp + lp] : (lp & 1) ? -1 : 1 << 30;
+      scores(bt2, mp2, mb2, 0x3c, g2);
+      ASSERT_EQ(g2.size(), static_cast<size_t>(nrows * nh * mb2)) << where;
+      for (int64_t rh = 0; rh < nrows * nh; ++rh)
+        for (int64_t j = 0; j < mb2; ++j)
+          ASSERT_EQ(g2[static_cast<size_t>(rh * mb2 + j)], j < mb ? g1[static_cast<size_t>(rh * mb + j)] : ninf)
+              << where << " padded table, (row, head) " << rh << " block " << j;
+      std::vector<int32_t> bt3 = s.req.block_table;
+      const int32_t bad_lp = 3;
+      bt3[bad_lp] = -1;
+      scores(bt3, mp, mb, 0x3c, g3);
+      ASSERT_EQ(g3.size(), g1.size()) << where;
+      const int64_t first = static_cast<int64_t>(bad_lp) * P / 128, last = (static_cast<int64_t>(bad_lp) + 1) * P / 128;
+      int64_t dropped = 0;
+      for (int64_t r = 0; r < nrows; ++r)
+        for (int32_t h = 0; h < nh; ++h)
+          for (int64_t j = 0; j < mb; ++j) {
+            const size_t i = static_cast<size_t>((r * nh + h) * mb + j);
+            const bool gone = r < 8192 && j >= first && j < last && j < olim(r);
+            dropped += gone;
+            ASSERT_EQ(g3[i], gone ? ninf : g1[i]) << where << " bad entry, row " << r << " head " << h << " block " << j;
+          }
+      EXPECT_EQ(dropped, int64_t{8192} * nh * (last - first)) << where;  // (every row of the chunk sees page 3)
+    }
 }
 
 // The synchronous prefill APIs check q's bytes on the GPU: a NaN byte (0x7F or 0xFF) anywhere,
