@@ -181,6 +181,10 @@ const std::vector<Knob>& knob_table() {
        "1: the fp8_mma GEMM-shaped scorer's math warpgroups, with the producer warpgroup and NVFP4 keys, take the "
        "next key stage while a block's second chain runs and store the block's scores after the next issue; 0: the "
        "block-order loop (slower: bench/NOTES.md v27)."},
+      {"INDEXCP_SCORE_G8_SLICE_COST", K::kEnv, "0", "library (CUDA)",
+       "0 .. 64 (experiment knob): pairs' worth charged to the fp8_mma / fp32 GEMM-shaped scorer's persistent grid "
+       "for each query slice a CTA starts (the plan, the queries and the ring's refill of a slice switch), so that "
+       "CTAs whose share spans a slice boundary get fewer pairs; 0: shares of equal pairs."},
       {"INDEXCP_SCORE_G8_TURNS", K::kMacro, "1", "build",
        "0 drops the turn barriers between the two math warpgroups in the rotated loop of INDEXCP_SCORE_G8_ROTATED "
        "(an experiment knob, 1-2% slower: bench/NOTES.md v27)."},
