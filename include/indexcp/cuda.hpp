@@ -215,10 +215,13 @@ void prefill_select(const CacheView& cache, int32_t layer, const PrefillBatch& b
 
 /// Block scores of heads [h0, h0+nh) of a prefill batch against a replicated cache, E4M3 keys
 /// (indexer.md sections 2-3): out fp32 [rows, nh, max_pages * P / 128], -Inf where no score
-/// exists (not historical). No validation and no host synchronization, so the call can be
-/// captured in a CUDA graph: the caller validated the batch (validate_prefill_batch) and passes
-/// the host values `rows` (= query_start[num_requests]) and `max_rows_per_request` (the largest
-/// query_start[b+1] - query_start[b]; an upper bound is fine). Errors name the argument for the
+/// exists (not historical, rows outside [query_start[0], query_start[num_requests]), and blocks
+/// whose page id is outside [0, num_pages)); every entry is written, and block-table entries past
+/// a request's historical blocks (padding) are never read. No validation and no host
+/// synchronization, so the call can be captured in a CUDA graph: the caller validated the batch
+/// (validate_prefill_batch) and passes the host values `rows` (= query_start[num_requests]) and
+/// `max_rows_per_request` (the largest query_start[b+1] - query_start[b]; an upper bound is fine;
+/// below it, the historical entries of the rows past it are unspecified). Errors name the argument for the
 /// host-side checks (cache sharded or bf16, layer, heads, rows < 0, max_rows_per_request < 1).
 void prefill_scores(const CacheView& cache, int32_t layer, const PrefillBatch& batch, int64_t rows,
                     int32_t max_rows_per_request, int32_t h0, int32_t nh, float* out, Stream stream,
