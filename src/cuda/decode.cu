@@ -103,7 +103,7 @@ void prefill_scores(const CacheView& cache, int32_t layer, const PrefillBatch& b
   ScoreLaunch sl = prefill_score_launch(cache, layer, batch, rows, max_rows_per_request, h0, nh, precision, out);
   // -Inf only where the scorer writes nothing (not historical, out-of-range page ids): the scorer
   // writes every other entry, so the fill writes a fraction of out, in the GEMM-shaped scorer or
-  // just before the tile scorer (launch_score; bench/NOTES.md v27)
+  // just before the tile scorer (launch_score; bench/NOTES.md v27, v28)
   sl.fill_unscored = true;
   launch_score(sl, cs(stream));
 }

@@ -47,7 +47,7 @@ constexpr int kStaged = 1536;  // keys staged per warp: rows of up to 1536 block
 // that waits on its loads and shuffles (bench/NOTES.md, v24).
 constexpr int kStagedSmall = 512;
 // The select kernel's (not the publish's) third instance, for rows of at most 1024 blocks (128K
-// tokens): without the publish's indices its warps need 4.6 KiB each, so that registers, not shared
+// tokens): without the publish's indices its warps need 4.5 KiB each, so that registers, not shared
 // memory, bound the warps per multiprocessor (bench/NOTES.md v28).
 constexpr int kStagedMid = 1024;
 
