@@ -34,6 +34,10 @@ const std::vector<Knob>& knob_table() {
        "memory; longer rows are read from L2) for every launch (the GPU tests run each; 1024 is select only, a "
        "publish takes 1536); unset: the smallest that holds max_blocks, so the most warps per multiprocessor. Any "
        "other value is refused."},
+      {"INDEXCP_SELECT_REGS", K::kEnv, "1", "library (CUDA)",
+       "0 or 1. 1: the select warp kernel keeps the candidates of a row of up to 256 of them in registers "
+       "(bench/NOTES.md v29); 0: every row takes the staged path (the GPU tests run both). Any other value is "
+       "refused."},
       {"INDEXCP_SCORE_PLAN", K::kEnv, "", "library (CUDA)",
        "kernel forces the scorer's separate work-plan kernel (the tests compare it with the in-CTA plan); unset: "
        "the plan is computed by each CTA up to 2,048 requests."},
@@ -181,10 +185,6 @@ const std::vector<Knob>& knob_table() {
        "1: the fp8_mma GEMM-shaped scorer's math warpgroups, with the producer warpgroup and NVFP4 keys, take the "
        "next key stage while a block's second chain runs and store the block's scores after the next issue; 0: the "
        "block-order loop (slower: bench/NOTES.md v27)."},
-      {"INDEXCP_SCORE_G8_SLICE_COST", K::kEnv, "0", "library (CUDA)",
-       "0 .. 64 (experiment knob): pairs' worth charged to the fp8_mma / fp32 GEMM-shaped scorer's persistent grid "
-       "for each query slice a CTA starts (the plan, the queries and the ring's refill of a slice switch), so that "
-       "CTAs whose share spans a slice boundary get fewer pairs; 0: shares of equal pairs."},
       {"INDEXCP_SCORE_G8_TURNS", K::kMacro, "1", "build",
        "0 drops the turn barriers between the two math warpgroups in the rotated loop of INDEXCP_SCORE_G8_ROTATED "
        "(an experiment knob, 1-2% slower: bench/NOTES.md v27)."},

@@ -10,9 +10,21 @@
 
 namespace indexcp::cuda::detail {
 
+/// The request whose prefill chunk holds row `row`: the last b < num_requests with query_start[b]
+/// <= row (0 when none), by binary search over query_start[0 .. num_requests).
+__device__ __forceinline__ int32_t request_of(const int32_t* query_start, int32_t num_requests, int64_t row) {
+  int32_t lo = 0, hi = num_requests - 1;
+  while (lo < hi) {
+    const int32_t mid = (lo + hi + 1) / 2;
+    if (query_start[mid] <= row) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
 /// Position of query row `row` (decode: row = b * query_len + i; prefill: the request whose chunk
-/// holds the row, by binary search over query_start), -1 (decode) or below 0 where the request
-/// scores nothing; its historical blocks are 0 .. position / 128 - 1.
+/// holds the row, request_of), -1 (decode) or below 0 where the request scores nothing; its
+/// historical blocks are 0 .. position / 128 - 1.
 __device__ __forceinline__ int64_t row_position(const RowsView& v, int64_t row) {
   if (v.query_start == nullptr) {
     const int32_t b = static_cast<int32_t>(row / v.query_len);
@@ -20,12 +32,7 @@ __device__ __forceinline__ int64_t row_position(const RowsView& v, int64_t row) 
     const int32_t s = v.seq_lens[b];
     return s > 0 ? static_cast<int64_t>(s) - v.query_len + i : -1;
   }
-  int32_t lo = 0, hi = v.num_requests - 1;  // the request whose chunk holds the row
-  while (lo < hi) {
-    const int32_t mid = (lo + hi + 1) / 2;
-    if (v.query_start[mid] <= row) lo = mid;
-    else hi = mid - 1;
-  }
+  const int32_t lo = request_of(v.query_start, v.num_requests, row);
   const int32_t t = v.query_start[lo + 1] - v.query_start[lo];
   return static_cast<int64_t>(v.seq_lens[lo]) - t + (row - v.query_start[lo]);
 }
@@ -58,15 +65,7 @@ __device__ __forceinline__ void fill_unscored(const RowsView& rows, int32_t nh, 
     int64_t olim = 0;
     if (row >= qbeg && row < qend) {
       if (b < 0 || row >= q1) {  // the last request whose chunk starts at or before the row (as row_position)
-        if (b < 0) {
-          int32_t lo = 0, hi = B - 1;
-          while (lo < hi) {
-            const int32_t mid = (lo + hi + 1) / 2;
-            if (qs[mid] <= row) lo = mid;
-            else hi = mid - 1;
-          }
-          b = lo;
-        }
+        if (b < 0) b = request_of(qs, B, row);
         while (qs[b + 1] <= row) ++b;  // (stops at B - 1: qs[B] = qend > row)
         q0 = qs[b];
         q1 = qs[b + 1];

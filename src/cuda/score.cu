@@ -501,10 +501,6 @@ void launch_gemm8(const ScoreArgs& a0, int64_t nvec_max, cudaStream_t stream) {
   dim3 grid;
   if (gemm8_persistent(a, gy)) {
     a.g8_slices = static_cast<int32_t>(gy);
-    // the cost of a slice switch (the plan, the queries, the ring's refill), in pairs, charged to the
-    // share of the CTA that makes it (INDEXCP_SCORE_G8_SLICE_COST, experiment knob; bench/NOTES.md v28)
-    if (const char* e = ::indexcp::detail::knob_env("INDEXCP_SCORE_G8_SLICE_COST"))
-      a.g8_slice_cost = std::clamp(std::atoi(e), 0, 64);
     unsigned ctas = static_cast<unsigned>(std::max(1, per_sm) * sm_count());
     if (const char* e = ::indexcp::detail::knob_env("INDEXCP_SCORE_CTAS")) ctas = static_cast<unsigned>(std::max(1, std::atoi(e)));
     grid = dim3(ctas, 1);
@@ -626,7 +622,6 @@ void launch_score(const ScoreLaunch& s, cudaStream_t stream) {
   a.debug = 0;
   a.wg_desc_bits = wg_desc_fixed_bits();
   a.g8_slices = 0;
-  a.g8_slice_cost = 0;
   a.fill_unscored = 0;
   if (const char* e = ::indexcp::detail::knob_env("INDEXCP_SCORE_DEBUG")) a.debug = std::atoi(e);
   const PageLayout& L = s.keys.layout;

@@ -233,6 +233,21 @@ __device__ void warp_boundary(int32_t n, int32_t kk, Key key, Smem& sh, uint32_t
   *ti = last;
 }
 
+// Descending bitonic sort of 32 keys, one per lane (all 32 lanes take part): lane 0 the largest.
+__device__ __forceinline__ uint32_t warp_sort_desc32(uint32_t v) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int k = 2; k <= 32; k <<= 1) {
+#pragma unroll
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      const uint32_t o = __shfl_xor_sync(0xffffffffu, v, j);
+      const bool keep_max = ((lane & j) == 0) == ((lane & k) == 0);
+      v = keep_max ? max(o, v) : min(o, v);
+    }
+  }
+  return v;
+}
+
 __device__ __forceinline__ void write_all_visible(int64_t n, int32_t K, int32_t* o) {
   for (int k = threadIdx.x & 31; k < K; k += 32) o[k] = k < n ? k : -1;
 }
@@ -313,6 +328,107 @@ struct SelectProblem {
     for (int u = 0; u < kStageIlp; ++u) kv[u] = ok[u] ? score_key(v[u]) + 1u : 0u;
   }
 };
+
+// The selection of one (row, head) problem whose candidates fit in registers (select only: n <=
+// 32 kRegKeys, kk <= 32), by one whole warp; the same selection as warp_boundary and the staged
+// path (bench/NOTES.md v29: that path spent about 1,370 warp instructions per problem of the 32K
+// prefill chunk, and the kernel was issue bound). Candidate i = 32 u + lane sits in kv[u], so index
+// order is (u, lane) order. Steps:
+//   1. t0 = the kk-th largest of the 32 lane maxima (a sort of 32 keys): at least kk keys are >= t0,
+//      so the boundary key T (the kk-th largest key, with multiplicity) is >= t0;
+//   2. the S keys >= t0 ("survivors") compacted to sk (S <= 64), sorted (two sorts of 32 and a merge
+//      when S > 32), T = the kk-th of them; more than 64 survivors (plateaus): T bit by bit;
+//   3. the selection: the keys > T and the first kk - #{K > T} keys == T in index order, written in
+//      ascending id order after the forced blocks, then the local block and -1 (as the staged path).
+constexpr int kRegKeys = kStageIlp;  // keys per lane: rows of up to 256 candidates (32K tokens)
+__device__ __forceinline__ void select_in_registers(const SelectProblem& pb, int32_t topk, uint32_t* sk) {
+  const int lane = threadIdx.x & 31;
+  const int32_t n = pb.n, kk = pb.kk, init = pb.init;
+  uint32_t kv[kRegKeys];
+  {
+    float v[kRegKeys];
+#pragma unroll
+    for (int u = 0; u < kRegKeys; ++u) {  // every load in flight before the first key
+      const int32_t i = 32 * u + lane;
+      v[u] = i < n ? pb.sc[init + i] : 0.0f;
+    }
+#pragma unroll
+    for (int u = 0; u < kRegKeys; ++u) kv[u] = 32 * u + lane < n ? score_key(v[u]) + 1u : 0u;
+  }
+  uint32_t T = 1u;     // the boundary key
+  int32_t ti = INT_MAX;  // the last index taken at T
+  if (n > kk) {
+    uint32_t lm = 0u;
+#pragma unroll
+    for (int u = 0; u < kRegKeys; ++u) lm = max(lm, kv[u]);
+    const uint32_t t0 = max(__shfl_sync(0xffffffffu, warp_sort_desc32(lm), kk - 1), 1u);
+    int S = 0;  // survivors, compacted in index order
+#pragma unroll
+    for (int u = 0; u < kRegKeys; ++u) {
+      const bool sv = kv[u] >= t0;
+      const unsigned m = __ballot_sync(0xffffffffu, sv);
+      const int p = S + __popc(m & lanemask_lt());
+      if (sv && p < kSurv) sk[p] = kv[u];
+      S += __popc(m);
+    }
+    __syncwarp();
+    if (S <= 32) {
+      const uint32_t a = warp_sort_desc32(lane < S ? sk[lane] : 0u);
+      T = __shfl_sync(0xffffffffu, a, kk - 1);
+    } else if (S <= kSurv) {
+      const uint32_t a = warp_sort_desc32(sk[lane]);
+      const uint32_t b = warp_sort_desc32(lane + 32 < S ? sk[lane + 32] : 0u);
+      // the 32 largest of both: a bitonic sequence, then merged (descending)
+      uint32_t c = max(a, __shfl_sync(0xffffffffu, b, 31 - lane));
+#pragma unroll
+      for (int j = 16; j > 0; j >>= 1) {
+        const uint32_t o = __shfl_xor_sync(0xffffffffu, c, j);
+        c = (lane & j) == 0 ? max(o, c) : min(o, c);
+      }
+      T = __shfl_sync(0xffffffffu, c, kk - 1);
+    } else {  // the largest T with #{K >= T} >= kk, bit by bit
+      T = 0u;
+      for (int bit = 31; bit >= 0; --bit) {
+        const uint32_t c = T | (1u << bit);
+        int ge = 0;
+#pragma unroll
+        for (int u = 0; u < kRegKeys; ++u) ge += kv[u] >= c;
+        if (__reduce_add_sync(0xffffffffu, ge) >= kk) T = c;
+      }
+    }
+    __syncwarp();  // (sk is read above by every lane)
+    int gt = 0;
+#pragma unroll
+    for (int u = 0; u < kRegKeys; ++u) gt += kv[u] > T;
+    int need = kk - __reduce_add_sync(0xffffffffu, gt);  // >= 1 keys equal to T, in index order
+    ti = -1;
+#pragma unroll
+    for (int u = 0; u < kRegKeys; ++u) {
+      const unsigned m = __ballot_sync(0xffffffffu, kv[u] == T);
+      const int c = __popc(m);
+      if (need > 0 && c >= need) {
+        unsigned mm = m;  // its need-th set bit
+        for (int q = 1; q < need; ++q) mm &= mm - 1u;
+        ti = 32 * u + __ffs(mm) - 1;
+        need = 0;
+      } else if (need > 0) {
+        need -= c;
+      }
+    }
+  }
+  int32_t* o = pb.o;
+  for (int k = lane; k < init; k += 32) o[k] = k;
+  int base = 0;
+#pragma unroll
+  for (int u = 0; u < kRegKeys; ++u) {
+    const int32_t i = 32 * u + lane;
+    const bool take = kv[u] > T || (kv[u] == T && kv[u] != 0u && i <= ti);
+    const unsigned m = __ballot_sync(0xffffffffu, take);
+    if (take) o[init + base + __popc(m & lanemask_lt())] = init + i;
+    base += __popc(m);
+  }
+  for (int k = init + base + lane; k < topk; k += 32) o[k] = k == init + base ? pb.local : -1;
+}
 
 // The hashes of a step signature (plan.hpp: v[8] over seq_lens, v[9] over query_start), by one
 // whole warp; every lane gets them.
@@ -404,7 +520,10 @@ __device__ __forceinline__ bool signatures_differ(const MergeLaunch& mg) {
 // PUBLISH: a kernel instance each for select and publish (one instance holding both paths was
 // 9,144 instructions long and stalled on instruction fetch: bench/NOTES.md, v10)
 template <bool PUBLISH, int STAGED>
-__global__ void __launch_bounds__(kWarpsPerCta * 32) select_warp_kernel(const SelectArgs s, const SignatureOut so) {
+// regs (select only; INDEXCP_SELECT_REGS, default 1): rows of up to 32 kRegKeys candidates (and kk
+// <= 32) take select_in_registers
+__global__ void __launch_bounds__(kWarpsPerCta * 32) select_warp_kernel(const SelectArgs s, const SignatureOut so,
+                                                                        const int32_t regs) {
   __shared__ WarpSmemT<STAGED, PUBLISH> shm[kWarpsPerCta];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t problem = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + warp;
@@ -422,6 +541,12 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) select_warp_kernel(const Se
   Candidate* oc = pb.oc;
   int32_t* o = pb.o;
   if (pb.write_trivial(sel.topk, lane, 32)) return;
+  if constexpr (!PUBLISH) {  // short rows: the keys stay in registers (s.regs: INDEXCP_SELECT_REGS)
+    if (regs != 0 && nc <= 32 * kRegKeys && kk <= 32) {
+      select_in_registers(pb, sel.topk, shm[warp].skey);
+      return;
+    }
+  }
   auto key_global = [&](int32_t i) -> uint32_t { return pb.key(i); };
   // stage the keys; publish compacts them to the blocks this rank stores (so that a periodic
   // validity pattern, e.g. every other block at P256, cannot defeat the per-lane filter)
@@ -842,17 +967,25 @@ void launch_select(const SelectLaunch& launch, cudaStream_t stream) {
                     std::string("INDEXCP_SELECT_STAGED = '") + es + "' must be 512, 1024 or 1536");
     staged = publish && v == kStagedMid ? kStaged : v;
   }
+  // the select's register path for short rows (select_in_registers): INDEXCP_SELECT_REGS=0 turns it
+  // off (the staged path then takes every row; the GPU tests run both)
+  int32_t regs = 1;
+  if (const char* er = ::indexcp::detail::knob_env("INDEXCP_SELECT_REGS")) {
+    INDEXCP_REQUIRE(std::strcmp(er, "0") == 0 || std::strcmp(er, "1") == 0,
+                    std::string("INDEXCP_SELECT_REGS = '") + er + "' must be 0 or 1");
+    regs = er[0] == '1' ? 1 : 0;
+  }
   // a publish that signs its record gets one more block, which writes the signature alone (in
   // parallel with the problems: no block's work grows)
   const unsigned ctas = static_cast<unsigned>((cta ? problems : ceil_div(problems, kWarpsPerCta)) +
                                               (publish && so.signature != nullptr ? 1 : 0));
   if (cta && publish) select_cta_kernel<true><<<ctas, kSelThreads, 0, stream>>>(s, so);
   else if (cta) select_cta_kernel<false><<<ctas, kSelThreads, 0, stream>>>(s, SignatureOut{});
-  else if (publish && staged == kStagedSmall) select_warp_kernel<true, kStagedSmall><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, so);
-  else if (publish) select_warp_kernel<true, kStaged><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, so);
-  else if (staged == kStagedSmall) select_warp_kernel<false, kStagedSmall><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, SignatureOut{});
-  else if (staged == kStagedMid) select_warp_kernel<false, kStagedMid><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, SignatureOut{});
-  else select_warp_kernel<false, kStaged><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, SignatureOut{});
+  else if (publish && staged == kStagedSmall) select_warp_kernel<true, kStagedSmall><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, so, 0);
+  else if (publish) select_warp_kernel<true, kStaged><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, so, 0);
+  else if (staged == kStagedSmall) select_warp_kernel<false, kStagedSmall><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, SignatureOut{}, regs);
+  else if (staged == kStagedMid) select_warp_kernel<false, kStagedMid><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, SignatureOut{}, regs);
+  else select_warp_kernel<false, kStaged><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, SignatureOut{}, regs);
   INDEXCP_CUDA_LAUNCH_CHECK("select kernel launch");
 }
 

@@ -80,6 +80,17 @@ inline std::vector<uint32_t> bits_of(const std::vector<float>& v) {
   return b;
 }
 
+/// A block table [requests][max_pages] widened to [requests][wider] entries, the extra ones padding
+/// as a caller with a fixed max_pages writes it (-1 and a huge page id, alternating).
+inline std::vector<int32_t> padded_block_table(const std::vector<int32_t>& bt, size_t requests, int32_t max_pages,
+                                               int32_t wider) {
+  std::vector<int32_t> out(requests * static_cast<size_t>(wider));
+  for (size_t b = 0; b < requests; ++b)
+    for (int32_t lp = 0; lp < wider; ++lp)
+      out[b * wider + lp] = lp < max_pages ? bt[b * max_pages + lp] : (lp & 1) ? -1 : 1 << 30;
+  return out;
+}
+
 /// Sets or unsets an environment variable for the life of the object, then restores it.
 class ScopedEnv {
  public:

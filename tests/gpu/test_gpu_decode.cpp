@@ -5,6 +5,9 @@
 #include "indexcp/error.hpp"
 
 #include <cstdlib>
+#include <limits>
+
+#include "cuda/kernels.cuh"
 
 using namespace gpu;
 
@@ -182,6 +185,88 @@ TEST(GpuDecode, SelectionIsExactAtOnePartPerMillion) {
           << "W = " << W;
     }
   }
+}
+
+// The select kernels on block scores built to break them, against the CPU's select_topk: rows of
+// 1 to 512 visible blocks (the trivial rows, the register path of the warp kernel up to 256
+// candidates and its edges, the staged path beyond), scores random, on a few values (plateaus
+// wider than the 64 sorted survivors), all equal, ascending, descending, and with NaN, -0.0 /
+// +0.0, +-Inf and subnormals; K = 2, 8, 16 (0, 1 or 2 forced sink blocks) and 40 (more than 32
+// ranked slots: the staged path). Each through the warp kernel with the register path on and off,
+// and the CTA kernel; entries past a row's visible blocks hold NaN and must not be read.
+TEST(GpuSelect, ShortRowsEqualCpuOnAdversarialScores) {
+  REQUIRE_GPU();
+  const int32_t nh = 2;
+  const int64_t max_blocks = 512;
+  const std::vector<int64_t> nvis = {1,   2,   3,   15,  16,  17,  18,  19,  20,  31,  33,  34,  35,  47, 64,
+                                     65,  66,  67,  96,  100, 129, 200, 254, 255, 256, 257, 258, 259, 260, 261,
+                                     262, 300, 384, 511, 512};
+  const int64_t rows = static_cast<int64_t>(nvis.size());
+  std::vector<QueryRow> qr;
+  std::vector<int32_t> seq_lens;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t pos = (nvis[r] - 1) * kBlockTokens + (r * 37) % kBlockTokens;
+    qr.push_back(QueryRow{static_cast<int32_t>(r), pos});
+    seq_lens.push_back(static_cast<int32_t>(pos + 1));  // decode, Q = 1: the row sits at seq_len - 1
+  }
+  DevArr<int32_t> d_seq(seq_lens);
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  const float specials[] = {nan, -0.0f, 0.0f, -inf, inf, 1e-45f, -1e-45f, 1.0f, -1.0f, 2.0f};
+  int checked = 0;
+  for (int pattern = 0; pattern < 7; ++pattern) {
+    std::mt19937 rng(100u + static_cast<uint32_t>(pattern));
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<float> sc(static_cast<size_t>(rows) * nh * max_blocks, nan);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int32_t h = 0; h < nh; ++h)
+        for (int64_t b = 0; b < nvis[r]; ++b) {
+          float v = 0.0f;
+          switch (pattern) {
+            case 0: v = normal(rng); break;                                       // random
+            case 1: v = static_cast<float>(static_cast<int>(rng() % 4)) - 1.0f; break;  // plateaus
+            case 2: v = 0.5f; break;                                              // all equal
+            case 3: v = specials[rng() % 10]; break;                              // NaN, zeros, infinities
+            case 4: v = static_cast<float>(b); break;                             // ascending
+            case 5: v = -static_cast<float>(b); break;                            // descending
+            default: v = static_cast<float>(static_cast<int>(rng() % 24)); break;  // ties at the boundary
+          }
+          sc[(r * nh + h) * max_blocks + b] = v;
+        }
+    DevArr<float> d_sc(sc);
+    for (const auto& [topk, init] : std::vector<std::pair<int32_t, int32_t>>{{16, 0}, {16, 1}, {16, 2}, {2, 0}, {8, 0}, {40, 3}}) {
+      SelectionParams sel;
+      sel.topk = topk;
+      sel.init_blocks = init;
+      const std::vector<int32_t> cpu = select_from_scores(sc, qr, nh, max_blocks, sel);
+      for (const char* kernel : {"warp", "warp-noregs", "cta"}) {
+        ScopedEnv e1("INDEXCP_SELECT"), e2("INDEXCP_SELECT_REGS");
+        e1.set(std::strcmp(kernel, "cta") == 0 ? "cta" : "warp");
+        e2.set(std::strcmp(kernel, "warp-noregs") == 0 ? "0" : "1");
+        DevArr<int32_t> out(cpu.size());
+        out.fill_bytes(0x7f);
+        cuda::detail::SelectLaunch L;
+        L.rows = cuda::detail::RowsView{d_seq.get(), nullptr, static_cast<int32_t>(rows), 1, rows};
+        L.scores = d_sc.get();
+        L.max_blocks = max_blocks;
+        L.nh = nh;
+        L.sel = sel;
+        L.out = out.get();
+        L.out_heads = nh;
+        cuda::detail::launch_select(L, nullptr);
+        CUDA_OK(cudaDeviceSynchronize());
+        const std::vector<int32_t> got = out.host();
+        for (int64_t r = 0; r < rows; ++r)
+          for (int32_t h = 0; h < nh; ++h) {
+            const size_t o = static_cast<size_t>((r * nh + h) * topk);
+            EXPECT_TRUE(std::equal(cpu.begin() + o, cpu.begin() + o + topk, got.begin() + o))
+                << "pattern " << pattern << " K " << topk << " init " << init << " " << kernel << " row " << r
+                << " (" << nvis[r] << " visible blocks) head " << h;
+            ++checked;
+          }
+      }
+    }
+  }
+  EXPECT_EQ(checked, 7 * 6 * 3 * rows * nh);
 }
 
 // Sharded == replicated bit for bit on the GPU, for every (P, W), NVFP4 (both roundings) and FP8,

@@ -517,11 +517,7 @@ TEST(GpuPrefill, PrefillScoresFillShortChunksAndPaddedTables) {
           DevPrefill d(s);
           const int32_t h0 = 0, nh = 3, mp = s.req.max_pages, mp2 = mp + 7;
           const int64_t mb = mp, mb2 = mp2, nrows = s.qs.back();
-          std::vector<int32_t> bt2(static_cast<size_t>(s.req.seq_lens.size()) * mp2);
-          for (size_t b = 0; b < s.req.seq_lens.size(); ++b)
-            for (int32_t lp = 0; lp < mp2; ++lp)
-              bt2[b * mp2 + lp] = lp < mp ? s.req.block_table[b * mp + lp] : (lp & 1) ? -1 : 1 << 30;
-          DevArr<int32_t> bt2_d(bt2);
+          DevArr<int32_t> bt2_d(padded_block_table(s.req.block_table, s.req.seq_lens.size(), mp, mp2));
           PrefillBatch b2 = d.b;
           b2.block_table = bt2_d.get();
           b2.max_pages = mp2;
@@ -615,11 +611,7 @@ TEST(GpuPrefill, PrefillScoresFillAtEngineScale) {
             }
           }
       EXPECT_GT(scored, int64_t{8192} * nh * (8192 / 128)) << where;
-      std::vector<int32_t> bt2(static_cast<size_t>(3) * mp2);
-      for (int32_t b = 0; b < 3; ++b)
-        for (int32_t lp = 0; lp < mp2; ++lp)
-          bt2[static_cast<size_t>(b) * mp2 + lp] = lp < mp ? s.req.block_table[static_cast<size_t>(b) * mp + lp] : (lp & 1) ? -1 : 1 << 30;
-      scores(bt2, mp2, mb2, 0x3c, g2);
+      scores(padded_block_table(s.req.block_table, 3, mp, mp2), mp2, mb2, 0x3c, g2);
       ASSERT_EQ(g2.size(), static_cast<size_t>(nrows * nh * mb2)) << where;
       for (int64_t rh = 0; rh < nrows * nh; ++rh)
         for (int64_t j = 0; j < mb2; ++j)

@@ -537,8 +537,7 @@ __global__ void __launch_bounds__(g8_threads<PROD>(), 1) gemm8_score_kernel(cons
     int64_t W = 0, t_first = 0;  // t_first: this thread's slice of the first 256 (not read again below)
     for (int32_t y0 = 0; y0 < nslices; y0 += kT) {
       const int32_t yy = y0 + static_cast<int32_t>(threadIdx.x);
-      int64_t t = yy < nslices ? gemm8_slice_pairs<GATHER>(a, yy) : 0;
-      t += t > 0 ? a.g8_slice_cost : 0;  // (the switch's worth: charged before the slice's pairs)
+      const int64_t t = yy < nslices ? gemm8_slice_pairs<GATHER>(a, yy) : 0;
       if (y0 == 0) t_first = t;
       int64_t incl, tot;
       Scan64(scan64).InclusiveSum(t, incl, tot);
@@ -551,8 +550,7 @@ __global__ void __launch_bounds__(g8_threads<PROD>(), 1) gemm8_score_kernel(cons
     int64_t carry = 0;
     for (int32_t y0 = 0; !idle && y0 < nslices; y0 += kT) {
       const int32_t yy = y0 + static_cast<int32_t>(threadIdx.x);
-      int64_t t = y0 == 0 ? t_first : yy < nslices ? gemm8_slice_pairs<GATHER>(a, yy) : 0;
-      if (y0 != 0) t += t > 0 ? a.g8_slice_cost : 0;
+      const int64_t t = y0 == 0 ? t_first : yy < nslices ? gemm8_slice_pairs<GATHER>(a, yy) : 0;
       int64_t excl, tot;
       Scan64(scan64).ExclusiveSum(t, excl, tot);
       if (t > 0 && carry + excl <= lo && lo < carry + excl + t) {  // the one slice holding pair lo
@@ -620,10 +618,9 @@ __global__ void __launch_bounds__(g8_threads<PROD>(), 1) gemm8_score_kernel(cons
       }
       const int64_t total = plan[B];
       int64_t p0, p1;
-      if (persist) {  // the slice's weighted pairs: the switch's a.g8_slice_cost, then its own
-        const int64_t base = pre + (total > 0 ? a.g8_slice_cost : 0);
-        p0 = lo > base ? lo - base : 0;
-        p1 = hi - base < total ? hi - base : total;
+      if (persist) {  // the share's part of this slice
+        p0 = lo > pre ? lo - pre : 0;
+        p1 = hi - pre < total ? hi - pre : total;
       } else {
         p0 = total * blockIdx.x / gridDim.x;
         p1 = total * (blockIdx.x + 1) / gridDim.x;
@@ -1115,7 +1112,7 @@ __global__ void __launch_bounds__(g8_threads<PROD>(), 1) gemm8_score_kernel(cons
         }
       }
       if (!persist) break;
-      pre += total + (total > 0 ? a.g8_slice_cost : 0);
+      pre += total;
       ++y;
       if (!uniform(pre < hi && y < nslices)) break;
     }

@@ -61,7 +61,6 @@ struct ScoreArgs {
                         // the threads), 4 = no block maxima (gemm8)
   uint64_t wg_desc_bits;  // the fixed fields of the wgmma B descriptor (wg_desc_fixed_bits())
   int32_t g8_slices;      // gemm8_score_kernel: > 0, the query slices of its persistent grid; 0: grid y = slices
-  int32_t g8_slice_cost;  // gemm8_score_kernel, persistent: pairs' worth charged per non-empty slice (its switch)
   int32_t fill_unscored;  // gemm8_score_kernel: 1 = the -Inf of ScoreLaunch::fill_unscored in its prologue
 };
 
