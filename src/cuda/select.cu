@@ -5,13 +5,15 @@
 // (K desc, block id asc), a total order without ties. Two select / publish kernels, the same
 // selections (the GPU tests run the exactness suites with each, INDEXCP_SELECT):
 //   warp kernel, one warp per (row, head), for many problems (throughput): the keys of the row are
-//   staged once in shared memory (kStageIlp loads per thread in flight; two instances, rows of up
-//   to 512 or 1,536 blocks staged, the small one wherever max_blocks allows); fast path: the kk-th
-//   largest of the 32 per-lane maxima bounds the boundary from below (kk <= 32; otherwise every
-//   candidate survives); when at most 64 keys survive they are sorted by a warp bitonic sort and
-//   the selection is their first entries (select writes them in id order, each at its id's rank
-//   among them); fallback (plateaus of equal scores, many survivors): bisection on the 32-bit
-//   key, then the equal keys taken in ascending id order;
+//   staged once in shared memory (kStageIlp loads per thread in flight; instances staging rows of
+//   up to 512, 1,024 (select only) or 1,536 blocks, the smallest one max_blocks allows); fast path:
+//   the kk-th largest of the 32 per-lane maxima bounds the boundary from below (kk <= 32;
+//   otherwise every candidate survives); when at most 64 keys survive they are sorted by a warp
+//   bitonic sort and the selection is their first entries (select writes them in id order, each
+//   at its id's rank among them); fallback (plateaus of equal scores, many survivors): bisection
+//   on the 32-bit key, then the equal keys taken in ascending id order. The select's 512 instance
+//   keeps rows of up to 256 candidates in registers instead (select_in_registers: the same
+//   bound, 32-bit sorts, the boundary key then its ties);
 //   CTA kernel, 256 threads per (row, head), for few problems (latency): a radix select over the
 //   32-bit keys (4 passes of 8 bits), the ties at the boundary taken in id order by a block scan.
 //   merge: one warp per (row, head) over the W x (K-1) published candidates: up to 32 of them
@@ -518,12 +520,12 @@ __device__ __forceinline__ bool signatures_differ(const MergeLaunch& mg) {
 }
 
 // PUBLISH: a kernel instance each for select and publish (one instance holding both paths was
-// 9,144 instructions long and stalled on instruction fetch: bench/NOTES.md, v10)
-template <bool PUBLISH, int STAGED>
-// regs (select only; INDEXCP_SELECT_REGS, default 1): rows of up to 32 kRegKeys candidates (and kk
-// <= 32) take select_in_registers
-__global__ void __launch_bounds__(kWarpsPerCta * 32) select_warp_kernel(const SelectArgs s, const SignatureOut so,
-                                                                        const int32_t regs) {
+// 9,144 instructions long and stalled on instruction fetch: bench/NOTES.md, v10). REGS (select
+// only): rows of up to 32 kRegKeys candidates (and kk <= 32) take select_in_registers; an instance
+// of its own, so that the others keep their registers (inlined, the path took the 1,024 instance
+// from 40 to 48 registers, fewer warps per multiprocessor).
+template <bool PUBLISH, int STAGED, bool REGS = false>
+__global__ void __launch_bounds__(kWarpsPerCta * 32) select_warp_kernel(const SelectArgs s, const SignatureOut so) {
   __shared__ WarpSmemT<STAGED, PUBLISH> shm[kWarpsPerCta];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t problem = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + warp;
@@ -541,8 +543,8 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) select_warp_kernel(const Se
   Candidate* oc = pb.oc;
   int32_t* o = pb.o;
   if (pb.write_trivial(sel.topk, lane, 32)) return;
-  if constexpr (!PUBLISH) {  // short rows: the keys stay in registers (s.regs: INDEXCP_SELECT_REGS)
-    if (regs != 0 && nc <= 32 * kRegKeys && kk <= 32) {
+  if constexpr (!PUBLISH && REGS) {  // short rows: the keys stay in registers
+    if (nc <= 32 * kRegKeys && kk <= 32) {
       select_in_registers(pb, sel.topk, shm[warp].skey);
       return;
     }
@@ -921,7 +923,11 @@ __global__ void signature_status_kernel(const MergeLaunch mg) {
   if (threadIdx.x == 0) *mg.status = differ ? static_cast<uint32_t>(StepStatus::kRanksDisagree) : 0u;
 }
 
+thread_local const char* t_last_select = "";  // last_select_kernel
+
 }  // namespace
+
+const char* last_select_kernel() { return t_last_select; }
 
 // INDEXCP_SELECT = warp | cta forces a kernel (tests run both); otherwise the CTA kernel when the
 // problems fit in one wave of 4 CTAs per SM (latency bound: the warp kernel would leave most
@@ -929,6 +935,7 @@ __global__ void signature_status_kernel(const MergeLaunch mg) {
 // H200, `indexcp bench topk`: select 256 problems 19.7 -> 11.8 us, publish 512 problems 30.7 ->
 // 14.8 us with the CTA kernel; publish 2,048 problems 32.8 (warp) vs 41.6 us (CTA).
 void launch_select(const SelectLaunch& launch, cudaStream_t stream) {
+  t_last_select = "";
   const SelectArgs& s = launch;
   SignatureOut so;
   so.signature = launch.signature;
@@ -967,13 +974,14 @@ void launch_select(const SelectLaunch& launch, cudaStream_t stream) {
                     std::string("INDEXCP_SELECT_STAGED = '") + es + "' must be 512, 1024 or 1536");
     staged = publish && v == kStagedMid ? kStaged : v;
   }
-  // the select's register path for short rows (select_in_registers): INDEXCP_SELECT_REGS=0 turns it
-  // off (the staged path then takes every row; the GPU tests run both)
-  int32_t regs = 1;
+  // the select's register path for short rows (select_in_registers), in the 512 instance (rows of
+  // up to 256 candidates; max_blocks above 512 means long rows): INDEXCP_SELECT_REGS=0 turns it off
+  // (the staged path then takes every row; the GPU tests run both)
+  bool regs = true;
   if (const char* er = ::indexcp::detail::knob_env("INDEXCP_SELECT_REGS")) {
     INDEXCP_REQUIRE(std::strcmp(er, "0") == 0 || std::strcmp(er, "1") == 0,
                     std::string("INDEXCP_SELECT_REGS = '") + er + "' must be 0 or 1");
-    regs = er[0] == '1' ? 1 : 0;
+    regs = er[0] == '1';
   }
   // a publish that signs its record gets one more block, which writes the signature alone (in
   // parallel with the problems: no block's work grows)
@@ -981,11 +989,15 @@ void launch_select(const SelectLaunch& launch, cudaStream_t stream) {
                                               (publish && so.signature != nullptr ? 1 : 0));
   if (cta && publish) select_cta_kernel<true><<<ctas, kSelThreads, 0, stream>>>(s, so);
   else if (cta) select_cta_kernel<false><<<ctas, kSelThreads, 0, stream>>>(s, SignatureOut{});
-  else if (publish && staged == kStagedSmall) select_warp_kernel<true, kStagedSmall><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, so, 0);
-  else if (publish) select_warp_kernel<true, kStaged><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, so, 0);
-  else if (staged == kStagedSmall) select_warp_kernel<false, kStagedSmall><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, SignatureOut{}, regs);
-  else if (staged == kStagedMid) select_warp_kernel<false, kStagedMid><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, SignatureOut{}, regs);
-  else select_warp_kernel<false, kStaged><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, SignatureOut{}, regs);
+  else if (publish && staged == kStagedSmall) select_warp_kernel<true, kStagedSmall><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, so);
+  else if (publish) select_warp_kernel<true, kStaged><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, so);
+  else if (staged == kStagedSmall && regs) select_warp_kernel<false, kStagedSmall, true><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, SignatureOut{});
+  else if (staged == kStagedSmall) select_warp_kernel<false, kStagedSmall><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, SignatureOut{});
+  else if (staged == kStagedMid) select_warp_kernel<false, kStagedMid><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, SignatureOut{});
+  else select_warp_kernel<false, kStaged><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, SignatureOut{});
+  t_last_select = cta ? (publish ? "cta-publish" : "cta") : publish ? (staged == kStagedSmall ? "warp512-publish" : "warp1536-publish")
+                  : staged == kStagedSmall ? (regs ? "warp512-regs" : "warp512")
+                  : staged == kStagedMid ? "warp1024" : "warp1536";
   INDEXCP_CUDA_LAUNCH_CHECK("select kernel launch");
 }
 

@@ -190,10 +190,12 @@ TEST(GpuDecode, SelectionIsExactAtOnePartPerMillion) {
 // The select kernels on block scores built to break them, against the CPU's select_topk: rows of
 // 1 to 512 visible blocks (the trivial rows, the register path of the warp kernel up to 256
 // candidates and its edges, the staged path beyond), scores random, on a few values (plateaus
-// wider than the 64 sorted survivors), all equal, ascending, descending, and with NaN, -0.0 /
-// +0.0, +-Inf and subnormals; K = 2, 8, 16 (0, 1 or 2 forced sink blocks) and 40 (more than 32
-// ranked slots: the staged path). Each through the warp kernel with the register path on and off,
-// and the CTA kernel; entries past a row's visible blocks hold NaN and must not be read.
+// wider than the 64 sorted survivors), all equal, ascending, descending, with NaN, -0.0 / +0.0,
+// +-Inf and subnormals, and lane-major ascending (block b scores 8 (b % 32) + b / 32: more than 64
+// keys above the lane maxima's bound, distinct at the boundary); K = 2, 8, 16 (0, 1 or 2 forced
+// sink blocks), 24 and 33 (23 and 32 ranked slots) and 40 (more than 32: the staged path). Each
+// through the warp kernel with the register path on and off, and the CTA kernel (the instance
+// checked); entries past a row's visible blocks hold NaN and must not be read.
 TEST(GpuSelect, ShortRowsEqualCpuOnAdversarialScores) {
   REQUIRE_GPU();
   const int32_t nh = 2;
@@ -213,7 +215,9 @@ TEST(GpuSelect, ShortRowsEqualCpuOnAdversarialScores) {
   const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
   const float specials[] = {nan, -0.0f, 0.0f, -inf, inf, 1e-45f, -1e-45f, 1.0f, -1.0f, 2.0f};
   int checked = 0;
-  for (int pattern = 0; pattern < 7; ++pattern) {
+  const int patterns = 8;
+  const std::vector<std::pair<int32_t, int32_t>> sels = {{16, 0}, {16, 1}, {16, 2}, {2, 0}, {8, 0}, {24, 0}, {33, 0}, {40, 3}};
+  for (int pattern = 0; pattern < patterns; ++pattern) {
     std::mt19937 rng(100u + static_cast<uint32_t>(pattern));
     std::normal_distribution<float> normal(0.0f, 1.0f);
     std::vector<float> sc(static_cast<size_t>(rows) * nh * max_blocks, nan);
@@ -228,18 +232,20 @@ TEST(GpuSelect, ShortRowsEqualCpuOnAdversarialScores) {
             case 3: v = specials[rng() % 10]; break;                              // NaN, zeros, infinities
             case 4: v = static_cast<float>(b); break;                             // ascending
             case 5: v = -static_cast<float>(b); break;                            // descending
+            case 6: v = static_cast<float>(8 * (b % 32) + b / 32); break;         // lane-major ascending
             default: v = static_cast<float>(static_cast<int>(rng() % 24)); break;  // ties at the boundary
           }
           sc[(r * nh + h) * max_blocks + b] = v;
         }
     DevArr<float> d_sc(sc);
-    for (const auto& [topk, init] : std::vector<std::pair<int32_t, int32_t>>{{16, 0}, {16, 1}, {16, 2}, {2, 0}, {8, 0}, {40, 3}}) {
+    for (const auto& [topk, init] : sels) {
       SelectionParams sel;
       sel.topk = topk;
       sel.init_blocks = init;
       const std::vector<int32_t> cpu = select_from_scores(sc, qr, nh, max_blocks, sel);
       for (const char* kernel : {"warp", "warp-noregs", "cta"}) {
-        ScopedEnv e1("INDEXCP_SELECT"), e2("INDEXCP_SELECT_REGS");
+        ScopedEnv e1("INDEXCP_SELECT"), e2("INDEXCP_SELECT_REGS"), e3("INDEXCP_SELECT_STAGED");
+        e3.set("");  // the smallest instance (512: max_blocks)
         e1.set(std::strcmp(kernel, "cta") == 0 ? "cta" : "warp");
         e2.set(std::strcmp(kernel, "warp-noregs") == 0 ? "0" : "1");
         DevArr<int32_t> out(cpu.size());
@@ -254,6 +260,8 @@ TEST(GpuSelect, ShortRowsEqualCpuOnAdversarialScores) {
         L.out_heads = nh;
         cuda::detail::launch_select(L, nullptr);
         CUDA_OK(cudaDeviceSynchronize());
+        const std::string want = std::strcmp(kernel, "cta") == 0 ? "cta" : std::strcmp(kernel, "warp") == 0 ? "warp512-regs" : "warp512";
+        EXPECT_EQ(std::string(cuda::detail::last_select_kernel()), want) << kernel;
         const std::vector<int32_t> got = out.host();
         for (int64_t r = 0; r < rows; ++r)
           for (int32_t h = 0; h < nh; ++h) {
@@ -266,7 +274,7 @@ TEST(GpuSelect, ShortRowsEqualCpuOnAdversarialScores) {
       }
     }
   }
-  EXPECT_EQ(checked, 7 * 6 * 3 * rows * nh);
+  EXPECT_EQ(checked, patterns * static_cast<int64_t>(sels.size()) * 3 * rows * nh);
 }
 
 // Sharded == replicated bit for bit on the GPU, for every (P, W), NVFP4 (both roundings) and FP8,
