@@ -125,7 +125,7 @@ struct SelectLaunch : SelectArgs {
 /// Exact selection (section 4) or publish (section 5 step 2), one CTA per (row, head).
 void launch_select(const SelectLaunch& s, cudaStream_t stream);
 /// The select / publish kernel instance of this thread's last launch_select: "cta", "cta-publish",
-/// "warp512-regs" (the 512 instance with select_in_registers), "warp512", "warp1024", "warp1536",
+/// "warp512-regs" / "warp1024-regs" (with select_in_registers), "warp512", "warp1024", "warp1536",
 /// "warp512-publish", "warp1536-publish", or "" (none yet, or a launch with no problems). For tests.
 const char* last_select_kernel();
 

@@ -11,9 +11,9 @@
 //   otherwise every candidate survives); when at most 64 keys survive they are sorted by a warp
 //   bitonic sort and the selection is their first entries (select writes them in id order, each
 //   at its id's rank among them); fallback (plateaus of equal scores, many survivors): bisection
-//   on the 32-bit key, then the equal keys taken in ascending id order. The select's 512 instance
-//   keeps rows of up to 256 candidates in registers instead (select_in_registers: the same
-//   bound, 32-bit sorts, the boundary key then its ties);
+//   on the 32-bit key, then the equal keys taken in ascending id order. The select's 512 and
+//   1,024 instances keep rows of up to 256 / 1,024 candidates in registers instead
+//   (select_in_registers: the same bound, 32-bit sorts, the boundary key then its ties);
 //   CTA kernel, 256 threads per (row, head), for few problems (latency): a radix select over the
 //   32-bit keys (4 passes of 8 bits), the ties at the boundary taken in id order by a block scan.
 //   merge: one warp per (row, head) over the W x (K-1) published candidates: up to 32 of them
@@ -332,7 +332,7 @@ struct SelectProblem {
 };
 
 // The selection of one (row, head) problem whose candidates fit in registers (select only: n <=
-// 32 kRegKeys, kk <= 32), by one whole warp; the same selection as warp_boundary and the staged
+// 32 RK, kk <= 32), by one whole warp; the same selection as warp_boundary and the staged
 // path (bench/NOTES.md v29: that path spent about 1,370 warp instructions per problem of the 32K
 // prefill chunk, and the kernel was issue bound). Candidate i = 32 u + lane sits in kv[u], so index
 // order is (u, lane) order. Steps:
@@ -342,31 +342,33 @@ struct SelectProblem {
 //      when S > 32), T = the kk-th of them; more than 64 survivors (plateaus): T bit by bit;
 //   3. the selection: the keys > T and the first kk - #{K > T} keys == T in index order, written in
 //      ascending id order after the forced blocks, then the local block and -1 (as the staged path).
-constexpr int kRegKeys = kStageIlp;  // keys per lane: rows of up to 256 candidates (32K tokens)
+// RK: keys per lane (the 512 instance: 8, rows of up to 256 candidates, 32K tokens; the 1,024
+// instance: 32, rows of up to 1,024, 128K tokens).
+template <int RK>
 __device__ __forceinline__ void select_in_registers(const SelectProblem& pb, int32_t topk, uint32_t* sk) {
   const int lane = threadIdx.x & 31;
   const int32_t n = pb.n, kk = pb.kk, init = pb.init;
-  uint32_t kv[kRegKeys];
+  uint32_t kv[RK];
   {
-    float v[kRegKeys];
+    float v[RK];
 #pragma unroll
-    for (int u = 0; u < kRegKeys; ++u) {  // every load in flight before the first key
+    for (int u = 0; u < RK; ++u) {  // every load in flight before the first key
       const int32_t i = 32 * u + lane;
       v[u] = i < n ? pb.sc[init + i] : 0.0f;
     }
 #pragma unroll
-    for (int u = 0; u < kRegKeys; ++u) kv[u] = 32 * u + lane < n ? score_key(v[u]) + 1u : 0u;
+    for (int u = 0; u < RK; ++u) kv[u] = 32 * u + lane < n ? score_key(v[u]) + 1u : 0u;
   }
   uint32_t T = 1u;     // the boundary key
   int32_t ti = INT_MAX;  // the last index taken at T
   if (n > kk) {
     uint32_t lm = 0u;
 #pragma unroll
-    for (int u = 0; u < kRegKeys; ++u) lm = max(lm, kv[u]);
+    for (int u = 0; u < RK; ++u) lm = max(lm, kv[u]);
     const uint32_t t0 = max(__shfl_sync(0xffffffffu, warp_sort_desc32(lm), kk - 1), 1u);
     int S = 0;  // survivors, compacted in index order
 #pragma unroll
-    for (int u = 0; u < kRegKeys; ++u) {
+    for (int u = 0; u < RK; ++u) {
       const bool sv = kv[u] >= t0;
       const unsigned m = __ballot_sync(0xffffffffu, sv);
       const int p = S + __popc(m & lanemask_lt());
@@ -394,18 +396,18 @@ __device__ __forceinline__ void select_in_registers(const SelectProblem& pb, int
         const uint32_t c = T | (1u << bit);
         int ge = 0;
 #pragma unroll
-        for (int u = 0; u < kRegKeys; ++u) ge += kv[u] >= c;
+        for (int u = 0; u < RK; ++u) ge += kv[u] >= c;
         if (__reduce_add_sync(0xffffffffu, ge) >= kk) T = c;
       }
     }
     __syncwarp();  // (sk is read above by every lane)
     int gt = 0;
 #pragma unroll
-    for (int u = 0; u < kRegKeys; ++u) gt += kv[u] > T;
+    for (int u = 0; u < RK; ++u) gt += kv[u] > T;
     int need = kk - __reduce_add_sync(0xffffffffu, gt);  // >= 1 keys equal to T, in index order
     ti = -1;
 #pragma unroll
-    for (int u = 0; u < kRegKeys; ++u) {
+    for (int u = 0; u < RK; ++u) {
       const unsigned m = __ballot_sync(0xffffffffu, kv[u] == T);
       const int c = __popc(m);
       if (need > 0 && c >= need) {
@@ -422,7 +424,7 @@ __device__ __forceinline__ void select_in_registers(const SelectProblem& pb, int
   for (int k = lane; k < init; k += 32) o[k] = k;
   int base = 0;
 #pragma unroll
-  for (int u = 0; u < kRegKeys; ++u) {
+  for (int u = 0; u < RK; ++u) {
     const int32_t i = 32 * u + lane;
     const bool take = kv[u] > T || (kv[u] == T && kv[u] != 0u && i <= ti);
     const unsigned m = __ballot_sync(0xffffffffu, take);
@@ -519,11 +521,15 @@ __device__ __forceinline__ bool signatures_differ(const MergeLaunch& mg) {
   return signatures_differ(mg, signature_loads(mg));
 }
 
+// keys per lane of select_in_registers in the select instance staging STAGED keys
+template <int STAGED>
+constexpr int kRegKeys = STAGED <= kStagedSmall ? 8 : 32;
+
 // PUBLISH: a kernel instance each for select and publish (one instance holding both paths was
 // 9,144 instructions long and stalled on instruction fetch: bench/NOTES.md, v10). REGS (select
-// only): rows of up to 32 kRegKeys candidates (and kk <= 32) take select_in_registers; an instance
-// of its own, so that the others keep their registers (inlined, the path took the 1,024 instance
-// from 40 to 48 registers, fewer warps per multiprocessor).
+// only, the 512 and 1,024 instances): rows of up to 32 kRegKeys<STAGED> candidates (and kk <= 32)
+// take select_in_registers; instances of their own, so that the others keep their registers
+// (inlined into every instance, the path took the 1,024 one from 40 to 48 registers).
 template <bool PUBLISH, int STAGED, bool REGS = false>
 __global__ void __launch_bounds__(kWarpsPerCta * 32) select_warp_kernel(const SelectArgs s, const SignatureOut so) {
   __shared__ WarpSmemT<STAGED, PUBLISH> shm[kWarpsPerCta];
@@ -543,9 +549,10 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) select_warp_kernel(const Se
   Candidate* oc = pb.oc;
   int32_t* o = pb.o;
   if (pb.write_trivial(sel.topk, lane, 32)) return;
-  if constexpr (!PUBLISH && REGS) {  // short rows: the keys stay in registers
-    if (nc <= 32 * kRegKeys && kk <= 32) {
-      select_in_registers(pb, sel.topk, shm[warp].skey);
+  if constexpr (!PUBLISH && REGS) {  // rows that fit: the keys stay in registers
+    constexpr int RK = kRegKeys<STAGED>;
+    if (nc <= 32 * RK && kk <= 32) {
+      select_in_registers<RK>(pb, sel.topk, shm[warp].skey);
       return;
     }
   }
@@ -974,9 +981,9 @@ void launch_select(const SelectLaunch& launch, cudaStream_t stream) {
                     std::string("INDEXCP_SELECT_STAGED = '") + es + "' must be 512, 1024 or 1536");
     staged = publish && v == kStagedMid ? kStaged : v;
   }
-  // the select's register path for short rows (select_in_registers), in the 512 instance (rows of
-  // up to 256 candidates; max_blocks above 512 means long rows): INDEXCP_SELECT_REGS=0 turns it off
-  // (the staged path then takes every row; the GPU tests run both)
+  // the select's register path (select_in_registers) in the 512 and 1,024 instances (rows of up to
+  // 256 / 1,024 candidates): INDEXCP_SELECT_REGS=0 turns it off (the staged path then takes every
+  // row; the GPU tests run both)
   bool regs = true;
   if (const char* er = ::indexcp::detail::knob_env("INDEXCP_SELECT_REGS")) {
     INDEXCP_REQUIRE(std::strcmp(er, "0") == 0 || std::strcmp(er, "1") == 0,
@@ -993,11 +1000,12 @@ void launch_select(const SelectLaunch& launch, cudaStream_t stream) {
   else if (publish) select_warp_kernel<true, kStaged><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, so);
   else if (staged == kStagedSmall && regs) select_warp_kernel<false, kStagedSmall, true><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, SignatureOut{});
   else if (staged == kStagedSmall) select_warp_kernel<false, kStagedSmall><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, SignatureOut{});
+  else if (staged == kStagedMid && regs) select_warp_kernel<false, kStagedMid, true><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, SignatureOut{});
   else if (staged == kStagedMid) select_warp_kernel<false, kStagedMid><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, SignatureOut{});
   else select_warp_kernel<false, kStaged><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, SignatureOut{});
   t_last_select = cta ? (publish ? "cta-publish" : "cta") : publish ? (staged == kStagedSmall ? "warp512-publish" : "warp1536-publish")
                   : staged == kStagedSmall ? (regs ? "warp512-regs" : "warp512")
-                  : staged == kStagedMid ? "warp1024" : "warp1536";
+                  : staged == kStagedMid ? (regs ? "warp1024-regs" : "warp1024") : "warp1536";
   INDEXCP_CUDA_LAUNCH_CHECK("select kernel launch");
 }
 

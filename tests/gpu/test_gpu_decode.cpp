@@ -188,93 +188,101 @@ TEST(GpuDecode, SelectionIsExactAtOnePartPerMillion) {
 }
 
 // The select kernels on block scores built to break them, against the CPU's select_topk: rows of
-// 1 to 512 visible blocks (the trivial rows, the register path of the warp kernel up to 256
-// candidates and its edges, the staged path beyond), scores random, on a few values (plateaus
-// wider than the 64 sorted survivors), all equal, ascending, descending, with NaN, -0.0 / +0.0,
-// +-Inf and subnormals, and lane-major ascending (block b scores 8 (b % 32) + b / 32: more than 64
-// keys above the lane maxima's bound, distinct at the boundary); K = 2, 8, 16 (0, 1 or 2 forced
+// 1 to 512 visible blocks in scores of 512 blocks per row (the warp kernel's 512 instance: the
+// trivial rows, its register path up to 256 candidates and the edges, the staged path beyond) and
+// of 1 to 1,024 in scores of 1,024 (the 1,024 instance, whose register path takes them all);
+// scores random, on a few values (plateaus wider than the 64 sorted survivors), all equal,
+// ascending, descending, with NaN, -0.0 / +0.0, +-Inf and subnormals, and lane-major ascending
+// (block b scores 32 (b % 32) + b / 32: more than 64 keys above the lane maxima's bound, distinct
+// at the boundary); K = 2, 8, 16 (0, 1 or 2 forced
 // sink blocks), 24 and 33 (23 and 32 ranked slots) and 40 (more than 32: the staged path). Each
 // through the warp kernel with the register path on and off, and the CTA kernel (the instance
 // checked); entries past a row's visible blocks hold NaN and must not be read.
-TEST(GpuSelect, ShortRowsEqualCpuOnAdversarialScores) {
+TEST(GpuSelect, RowsEqualCpuOnAdversarialScores) {
   REQUIRE_GPU();
   const int32_t nh = 2;
-  const int64_t max_blocks = 512;
-  const std::vector<int64_t> nvis = {1,   2,   3,   15,  16,  17,  18,  19,  20,  31,  33,  34,  35,  47, 64,
-                                     65,  66,  67,  96,  100, 129, 200, 254, 255, 256, 257, 258, 259, 260, 261,
-                                     262, 300, 384, 511, 512};
-  const int64_t rows = static_cast<int64_t>(nvis.size());
-  std::vector<QueryRow> qr;
-  std::vector<int32_t> seq_lens;
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t pos = (nvis[r] - 1) * kBlockTokens + (r * 37) % kBlockTokens;
-    qr.push_back(QueryRow{static_cast<int32_t>(r), pos});
-    seq_lens.push_back(static_cast<int32_t>(pos + 1));  // decode, Q = 1: the row sits at seq_len - 1
-  }
-  DevArr<int32_t> d_seq(seq_lens);
-  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
-  const float specials[] = {nan, -0.0f, 0.0f, -inf, inf, 1e-45f, -1e-45f, 1.0f, -1.0f, 2.0f};
-  int checked = 0;
-  const int patterns = 8;
-  const std::vector<std::pair<int32_t, int32_t>> sels = {{16, 0}, {16, 1}, {16, 2}, {2, 0}, {8, 0}, {24, 0}, {33, 0}, {40, 3}};
-  for (int pattern = 0; pattern < patterns; ++pattern) {
-    std::mt19937 rng(100u + static_cast<uint32_t>(pattern));
-    std::normal_distribution<float> normal(0.0f, 1.0f);
-    std::vector<float> sc(static_cast<size_t>(rows) * nh * max_blocks, nan);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int32_t h = 0; h < nh; ++h)
-        for (int64_t b = 0; b < nvis[r]; ++b) {
-          float v = 0.0f;
-          switch (pattern) {
-            case 0: v = normal(rng); break;                                       // random
-            case 1: v = static_cast<float>(static_cast<int>(rng() % 4)) - 1.0f; break;  // plateaus
-            case 2: v = 0.5f; break;                                              // all equal
-            case 3: v = specials[rng() % 10]; break;                              // NaN, zeros, infinities
-            case 4: v = static_cast<float>(b); break;                             // ascending
-            case 5: v = -static_cast<float>(b); break;                            // descending
-            case 6: v = static_cast<float>(8 * (b % 32) + b / 32); break;         // lane-major ascending
-            default: v = static_cast<float>(static_cast<int>(rng() % 24)); break;  // ties at the boundary
+  int64_t checked = 0, expected = 0;
+  for (const int64_t max_blocks : {512, 1024}) {  // the warp kernel's 512 and 1,024 instances
+    std::vector<int64_t> nvis = {1,   2,   3,   15,  16,  17,  18,  19,  20,  31,  33,  34,  35,  47, 64,
+                                 65,  66,  67,  96,  100, 129, 200, 254, 255, 256, 257, 258, 259, 260, 261,
+                                 262, 300, 384, 511, 512};
+    if (max_blocks > 512) nvis.insert(nvis.end(), {513, 600, 777, 1000, 1022, 1023, 1024});
+    const std::string inst = max_blocks > 512 ? "warp1024" : "warp512";
+    const int64_t rows = static_cast<int64_t>(nvis.size());
+    std::vector<QueryRow> qr;
+    std::vector<int32_t> seq_lens;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t pos = (nvis[r] - 1) * kBlockTokens + (r * 37) % kBlockTokens;
+      qr.push_back(QueryRow{static_cast<int32_t>(r), pos});
+      seq_lens.push_back(static_cast<int32_t>(pos + 1));  // decode, Q = 1: the row sits at seq_len - 1
+    }
+    DevArr<int32_t> d_seq(seq_lens);
+    const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+    const float specials[] = {nan, -0.0f, 0.0f, -inf, inf, 1e-45f, -1e-45f, 1.0f, -1.0f, 2.0f};
+    const int patterns = 8;
+    const std::vector<std::pair<int32_t, int32_t>> sels = {{16, 0}, {16, 1}, {16, 2}, {2, 0}, {8, 0}, {24, 0}, {33, 0}, {40, 3}};
+    for (int pattern = 0; pattern < patterns; ++pattern) {
+      std::mt19937 rng(100u + static_cast<uint32_t>(pattern));
+      std::normal_distribution<float> normal(0.0f, 1.0f);
+      std::vector<float> sc(static_cast<size_t>(rows) * nh * max_blocks, nan);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int32_t h = 0; h < nh; ++h)
+          for (int64_t b = 0; b < nvis[r]; ++b) {
+            float v = 0.0f;
+            switch (pattern) {
+              case 0: v = normal(rng); break;                                       // random
+              case 1: v = static_cast<float>(static_cast<int>(rng() % 4)) - 1.0f; break;  // plateaus
+              case 2: v = 0.5f; break;                                              // all equal
+              case 3: v = specials[rng() % 10]; break;                              // NaN, zeros, infinities
+              case 4: v = static_cast<float>(b); break;                             // ascending
+              case 5: v = -static_cast<float>(b); break;                            // descending
+              case 6: v = static_cast<float>(32 * (b % 32) + b / 32); break;        // lane-major ascending
+              default: v = static_cast<float>(static_cast<int>(rng() % 24)); break;  // ties at the boundary
+            }
+            sc[(r * nh + h) * max_blocks + b] = v;
           }
-          sc[(r * nh + h) * max_blocks + b] = v;
+      DevArr<float> d_sc(sc);
+      for (const auto& [topk, init] : sels) {
+        SelectionParams sel;
+        sel.topk = topk;
+        sel.init_blocks = init;
+        const std::vector<int32_t> cpu = select_from_scores(sc, qr, nh, max_blocks, sel);
+        for (const char* kernel : {"warp", "warp-noregs", "cta"}) {
+          ScopedEnv e1("INDEXCP_SELECT"), e2("INDEXCP_SELECT_REGS"), e3("INDEXCP_SELECT_STAGED");
+          e3.set("");  // the smallest instance max_blocks allows
+          e1.set(std::strcmp(kernel, "cta") == 0 ? "cta" : "warp");
+          e2.set(std::strcmp(kernel, "warp-noregs") == 0 ? "0" : "1");
+          DevArr<int32_t> out(cpu.size());
+          out.fill_bytes(0x7f);
+          cuda::detail::SelectLaunch L;
+          L.rows = cuda::detail::RowsView{d_seq.get(), nullptr, static_cast<int32_t>(rows), 1, rows};
+          L.scores = d_sc.get();
+          L.max_blocks = max_blocks;
+          L.nh = nh;
+          L.sel = sel;
+          L.out = out.get();
+          L.out_heads = nh;
+          cuda::detail::launch_select(L, nullptr);
+          CUDA_OK(cudaDeviceSynchronize());
+          const std::string want = std::strcmp(kernel, "cta") == 0    ? "cta"
+                                   : std::strcmp(kernel, "warp") == 0 ? inst + "-regs"
+                                                                      : inst;
+          EXPECT_EQ(std::string(cuda::detail::last_select_kernel()), want) << kernel;
+          const std::vector<int32_t> got = out.host();
+          for (int64_t r = 0; r < rows; ++r)
+            for (int32_t h = 0; h < nh; ++h) {
+              const size_t o = static_cast<size_t>((r * nh + h) * topk);
+              EXPECT_TRUE(std::equal(cpu.begin() + o, cpu.begin() + o + topk, got.begin() + o))
+                  << "max_blocks " << max_blocks << " pattern " << pattern << " K " << topk << " init " << init << " "
+                  << kernel << " row " << r << " (" << nvis[r] << " visible blocks) head " << h;
+              ++checked;
+            }
         }
-    DevArr<float> d_sc(sc);
-    for (const auto& [topk, init] : sels) {
-      SelectionParams sel;
-      sel.topk = topk;
-      sel.init_blocks = init;
-      const std::vector<int32_t> cpu = select_from_scores(sc, qr, nh, max_blocks, sel);
-      for (const char* kernel : {"warp", "warp-noregs", "cta"}) {
-        ScopedEnv e1("INDEXCP_SELECT"), e2("INDEXCP_SELECT_REGS"), e3("INDEXCP_SELECT_STAGED");
-        e3.set("");  // the smallest instance (512: max_blocks)
-        e1.set(std::strcmp(kernel, "cta") == 0 ? "cta" : "warp");
-        e2.set(std::strcmp(kernel, "warp-noregs") == 0 ? "0" : "1");
-        DevArr<int32_t> out(cpu.size());
-        out.fill_bytes(0x7f);
-        cuda::detail::SelectLaunch L;
-        L.rows = cuda::detail::RowsView{d_seq.get(), nullptr, static_cast<int32_t>(rows), 1, rows};
-        L.scores = d_sc.get();
-        L.max_blocks = max_blocks;
-        L.nh = nh;
-        L.sel = sel;
-        L.out = out.get();
-        L.out_heads = nh;
-        cuda::detail::launch_select(L, nullptr);
-        CUDA_OK(cudaDeviceSynchronize());
-        const std::string want = std::strcmp(kernel, "cta") == 0 ? "cta" : std::strcmp(kernel, "warp") == 0 ? "warp512-regs" : "warp512";
-        EXPECT_EQ(std::string(cuda::detail::last_select_kernel()), want) << kernel;
-        const std::vector<int32_t> got = out.host();
-        for (int64_t r = 0; r < rows; ++r)
-          for (int32_t h = 0; h < nh; ++h) {
-            const size_t o = static_cast<size_t>((r * nh + h) * topk);
-            EXPECT_TRUE(std::equal(cpu.begin() + o, cpu.begin() + o + topk, got.begin() + o))
-                << "pattern " << pattern << " K " << topk << " init " << init << " " << kernel << " row " << r
-                << " (" << nvis[r] << " visible blocks) head " << h;
-            ++checked;
-          }
       }
     }
+    expected += patterns * static_cast<int64_t>(sels.size()) * 3 * rows * nh;
   }
-  EXPECT_EQ(checked, patterns * static_cast<int64_t>(sels.size()) * 3 * rows * nh);
+  EXPECT_EQ(checked, expected);
 }
 
 // Sharded == replicated bit for bit on the GPU, for every (P, W), NVFP4 (both roundings) and FP8,
