@@ -35,9 +35,9 @@ const std::vector<Knob>& knob_table() {
        "publish takes 1536); unset: the smallest that holds max_blocks, so the most warps per multiprocessor. Any "
        "other value is refused."},
       {"INDEXCP_SELECT_REGS", K::kEnv, "1", "library (CUDA)",
-       "0 or 1. 1: the select warp kernel's 512 and 1,024 instances keep a row's candidates in registers (rows of "
-       "up to 256 / 1,024 of them; bench/NOTES.md v29); 0: every row takes the staged path (the GPU tests run "
-       "both). Any other value is refused."},
+       "0, 1 or 512. 1: the select warp kernel's 512 and 1,024 instances keep a row's candidates in registers "
+       "(rows of up to 256 / 1,024 of them; bench/NOTES.md v29-v30); 512: the 512 instance only; 0: every row "
+       "takes the staged path (the GPU tests run both). Any other value is refused."},
       {"INDEXCP_SCORE_PLAN", K::kEnv, "", "library (CUDA)",
        "kernel forces the scorer's separate work-plan kernel (the tests compare it with the in-CTA plan); unset: "
        "the plan is computed by each CTA up to 2,048 requests."},

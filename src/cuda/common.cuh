@@ -46,11 +46,13 @@ using DeviceBuffer = BasicDeviceBuffer<T, BackendBufferErrors>;
 // The order of scores (indexer.md section 3) as unsigned keys: higher key = better score.
 // NaN -> 0 (below everything), -0.0 and +0.0 -> the same key, -Inf -> 0x007FFFFF.
 
+// Without branches (selects only): the select kernels convert every candidate's score.
 __host__ __device__ __forceinline__ uint32_t score_key(float s) {
   uint32_t u = fmt::f32_bits(s);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0u;  // NaN
-  if (u == 0x80000000u) u = 0u;                    // -0.0 == +0.0
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
+  u = u == 0x80000000u ? 0u : u;  // -0.0 == +0.0
+  const uint32_t k = u ^ (static_cast<uint32_t>(static_cast<int32_t>(u) >> 31) | 0x80000000u);  // negative: ~u
+  return nan ? 0u : k;
 }
 /// (score desc, id asc) as one unique unsigned 64-bit key (ids >= 0): higher = better.
 __host__ __device__ __forceinline__ uint64_t cand_key(float s, int32_t id) {

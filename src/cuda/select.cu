@@ -332,20 +332,27 @@ struct SelectProblem {
 };
 
 // The selection of one (row, head) problem whose candidates fit in registers (select only: n <=
-// 32 RK, kk <= 32), by one whole warp; the same selection as warp_boundary and the staged
+// 32 RK, 1 <= kk <= 32), by one whole warp; the same selection as warp_boundary and the staged
 // path (bench/NOTES.md v29: that path spent about 1,370 warp instructions per problem of the 32K
 // prefill chunk, and the kernel was issue bound). Candidate i = 32 u + lane sits in kv[u], so index
 // order is (u, lane) order. Steps:
 //   1. t0 = the kk-th largest of the 32 lane maxima (a sort of 32 keys): at least kk keys are >= t0,
-//      so the boundary key T (the kk-th largest key, with multiplicity) is >= t0;
-//   2. the S keys >= t0 ("survivors") compacted to sk (S <= 64), sorted (two sorts of 32 and a merge
-//      when S > 32), T = the kk-th of them; more than 64 survivors (plateaus): T bit by bit;
-//   3. the selection: the keys > T and the first kk - #{K > T} keys == T in index order, written in
-//      ascending id order after the forced blocks, then the local block and -1 (as the staged path).
+//      so the boundary key T (the kk-th largest key, with multiplicity) is >= t0, and every key the
+//      selection takes is >= t0;
+//   2. the S keys >= t0 ("survivors") compacted with their indices, in index order, to sk / si;
+//      when S <= 64 they are sorted as 32-bit keys (one sort of 32, or two and a merge) and T is
+//      the kk-th of them;
+//   3. the selection, from the survivors alone (two per lane): the keys > T and the first
+//      kk - #{K > T} keys == T in index order, written in ascending id order after the forced
+//      blocks, then the local block and -1 (as the staged path).
+// More than 64 survivors (plateaus of equal scores): false, with nothing written, and the caller
+// takes the staged path. Only steps 1 and 2's loads, keys and compaction scale with RK, so the code
+// stays short (v30: a path whose tie search, output and plateau fallback were unrolled over the 32
+// keys of a lane was 14,000 instructions long and slower than the staged path).
 // RK: keys per lane (the 512 instance: 8, rows of up to 256 candidates, 32K tokens; the 1,024
 // instance: 32, rows of up to 1,024, 128K tokens).
 template <int RK>
-__device__ __forceinline__ void select_in_registers(const SelectProblem& pb, int32_t topk, uint32_t* sk) {
+__device__ __forceinline__ bool select_in_registers(const SelectProblem& pb, int32_t topk, uint32_t* sk, int32_t* si) {
   const int lane = threadIdx.x & 31;
   const int32_t n = pb.n, kk = pb.kk, init = pb.init;
   uint32_t kv[RK];
@@ -354,84 +361,61 @@ __device__ __forceinline__ void select_in_registers(const SelectProblem& pb, int
 #pragma unroll
     for (int u = 0; u < RK; ++u) {  // every load in flight before the first key
       const int32_t i = 32 * u + lane;
-      v[u] = i < n ? pb.sc[init + i] : 0.0f;
+      v[u] = i < n ? pb.sc[init + i] : __int_as_float(0x7fffffff);  // past n: a NaN, key 0 (+ 0 below)
     }
 #pragma unroll
-    for (int u = 0; u < RK; ++u) kv[u] = 32 * u + lane < n ? score_key(v[u]) + 1u : 0u;
+    for (int u = 0; u < RK; ++u) kv[u] = score_key(v[u]) + static_cast<uint32_t>(32 * u + lane < n);
   }
-  uint32_t T = 1u;     // the boundary key
-  int32_t ti = INT_MAX;  // the last index taken at T
-  if (n > kk) {
-    uint32_t lm = 0u;
+  uint32_t lm = 0u;
 #pragma unroll
-    for (int u = 0; u < RK; ++u) lm = max(lm, kv[u]);
-    const uint32_t t0 = max(__shfl_sync(0xffffffffu, warp_sort_desc32(lm), kk - 1), 1u);
-    int S = 0;  // survivors, compacted in index order
-#pragma unroll
-    for (int u = 0; u < RK; ++u) {
-      const bool sv = kv[u] >= t0;
-      const unsigned m = __ballot_sync(0xffffffffu, sv);
-      const int p = S + __popc(m & lanemask_lt());
-      if (sv && p < kSurv) sk[p] = kv[u];
-      S += __popc(m);
-    }
-    __syncwarp();
-    if (S <= 32) {
-      const uint32_t a = warp_sort_desc32(lane < S ? sk[lane] : 0u);
-      T = __shfl_sync(0xffffffffu, a, kk - 1);
-    } else if (S <= kSurv) {
-      const uint32_t a = warp_sort_desc32(sk[lane]);
-      const uint32_t b = warp_sort_desc32(lane + 32 < S ? sk[lane + 32] : 0u);
-      // the 32 largest of both: a bitonic sequence, then merged (descending)
-      uint32_t c = max(a, __shfl_sync(0xffffffffu, b, 31 - lane));
-#pragma unroll
-      for (int j = 16; j > 0; j >>= 1) {
-        const uint32_t o = __shfl_xor_sync(0xffffffffu, c, j);
-        c = (lane & j) == 0 ? max(o, c) : min(o, c);
-      }
-      T = __shfl_sync(0xffffffffu, c, kk - 1);
-    } else {  // the largest T with #{K >= T} >= kk, bit by bit
-      T = 0u;
-      for (int bit = 31; bit >= 0; --bit) {
-        const uint32_t c = T | (1u << bit);
-        int ge = 0;
-#pragma unroll
-        for (int u = 0; u < RK; ++u) ge += kv[u] >= c;
-        if (__reduce_add_sync(0xffffffffu, ge) >= kk) T = c;
-      }
-    }
-    __syncwarp();  // (sk is read above by every lane)
-    int gt = 0;
-#pragma unroll
-    for (int u = 0; u < RK; ++u) gt += kv[u] > T;
-    int need = kk - __reduce_add_sync(0xffffffffu, gt);  // >= 1 keys equal to T, in index order
-    ti = -1;
-#pragma unroll
-    for (int u = 0; u < RK; ++u) {
-      const unsigned m = __ballot_sync(0xffffffffu, kv[u] == T);
-      const int c = __popc(m);
-      if (need > 0 && c >= need) {
-        unsigned mm = m;  // its need-th set bit
-        for (int q = 1; q < need; ++q) mm &= mm - 1u;
-        ti = 32 * u + __ffs(mm) - 1;
-        need = 0;
-      } else if (need > 0) {
-        need -= c;
-      }
-    }
-  }
-  int32_t* o = pb.o;
-  for (int k = lane; k < init; k += 32) o[k] = k;
-  int base = 0;
+  for (int u = 0; u < RK; ++u) lm = max(lm, kv[u]);
+  const uint32_t t0 = max(__shfl_sync(0xffffffffu, warp_sort_desc32(lm), kk - 1), 1u);
+  int S = 0;  // survivors, compacted in index order
 #pragma unroll
   for (int u = 0; u < RK; ++u) {
-    const int32_t i = 32 * u + lane;
-    const bool take = kv[u] > T || (kv[u] == T && kv[u] != 0u && i <= ti);
-    const unsigned m = __ballot_sync(0xffffffffu, take);
-    if (take) o[init + base + __popc(m & lanemask_lt())] = init + i;
-    base += __popc(m);
+    const uint32_t k = kv[u];
+    const bool sv = k >= t0;
+    const unsigned m = __ballot_sync(0xffffffffu, sv);
+    const int p = S + __popc(m & lanemask_lt());
+    if (sv && p < kSurv) {
+      sk[p] = k;
+      si[p] = 32 * u + lane;
+    }
+    S += __popc(m);
   }
+  __syncwarp();
+  if (S > kSurv) return false;  // (warp-uniform; the caller syncs the warp before sk is reused)
+  const uint32_t ka = lane < S ? sk[lane] : 0u, kb = lane + 32 < S ? sk[lane + 32] : 0u;
+  const int32_t ia = lane < S ? si[lane] : 0, ib = lane + 32 < S ? si[lane + 32] : 0;
+  uint32_t T;
+  if (S <= 32) {
+    T = __shfl_sync(0xffffffffu, warp_sort_desc32(ka), kk - 1);
+  } else {
+    const uint32_t a = warp_sort_desc32(ka), b = warp_sort_desc32(kb);
+    // the 32 largest of both: a bitonic sequence, then merged (descending)
+    uint32_t c = max(a, __shfl_sync(0xffffffffu, b, 31 - lane));
+#pragma unroll
+    for (int j = 16; j > 0; j >>= 1) {
+      const uint32_t o = __shfl_xor_sync(0xffffffffu, c, j);
+      c = (lane & j) == 0 ? max(o, c) : min(o, c);
+    }
+    T = __shfl_sync(0xffffffffu, c, kk - 1);
+  }
+  // T >= t0 >= 1, so non-survivors (0) are never taken; need >= 1 keys equal to T, in index order
+  // (the survivors' a half before their b half)
+  const unsigned ea = __ballot_sync(0xffffffffu, ka == T), eb = __ballot_sync(0xffffffffu, kb == T);
+  const int need = kk - __popc(__ballot_sync(0xffffffffu, ka > T)) - __popc(__ballot_sync(0xffffffffu, kb > T));
+  const bool take_a = ka > T || (ka == T && __popc(ea & lanemask_lt()) < need);
+  const bool take_b = kb > T || (kb == T && __popc(ea) + __popc(eb & lanemask_lt()) < need);
+  const unsigned ta = __ballot_sync(0xffffffffu, take_a), tb = __ballot_sync(0xffffffffu, take_b);
+  int32_t* o = pb.o;
+  for (int k = lane; k < init; k += 32) o[k] = k;
+  if (take_a) o[init + __popc(ta & lanemask_lt())] = init + ia;
+  if (take_b) o[init + __popc(ta) + __popc(tb & lanemask_lt())] = init + ib;
+  const int base = __popc(ta) + __popc(tb);  // (kk)
   for (int k = init + base + lane; k < topk; k += 32) o[k] = k == init + base ? pb.local : -1;
+  __syncwarp();  // (the survivors' slots are read by every lane above)
+  return true;
 }
 
 // The hashes of a step signature (plan.hpp: v[8] over seq_lens, v[9] over query_start), by one
@@ -531,7 +515,7 @@ constexpr int kRegKeys = STAGED <= kStagedSmall ? 8 : 32;
 // take select_in_registers; instances of their own, so that the others keep their registers
 // (inlined into every instance, the path took the 1,024 one from 40 to 48 registers).
 template <bool PUBLISH, int STAGED, bool REGS = false>
-__global__ void __launch_bounds__(kWarpsPerCta * 32) select_warp_kernel(const SelectArgs s, const SignatureOut so) {
+__global__ void __launch_bounds__(kWarpsPerCta * 32, REGS ? (STAGED <= kStagedSmall ? 12 : 5) : 1) select_warp_kernel(const SelectArgs s, const SignatureOut so) {
   __shared__ WarpSmemT<STAGED, PUBLISH> shm[kWarpsPerCta];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t problem = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + warp;
@@ -552,8 +536,8 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) select_warp_kernel(const Se
   if constexpr (!PUBLISH && REGS) {  // rows that fit: the keys stay in registers
     constexpr int RK = kRegKeys<STAGED>;
     if (nc <= 32 * RK && kk <= 32) {
-      select_in_registers<RK>(pb, sel.topk, shm[warp].skey);
-      return;
+      if (select_in_registers<RK>(pb, sel.topk, sh.skey, sh.sidx)) return;
+      __syncwarp();  // more than 64 survivors: the staged path, which rewrites the survivors' slots
     }
   }
   auto key_global = [&](int32_t i) -> uint32_t { return pb.key(i); };
@@ -983,13 +967,15 @@ void launch_select(const SelectLaunch& launch, cudaStream_t stream) {
   }
   // the select's register path (select_in_registers) in the 512 and 1,024 instances (rows of up to
   // 256 / 1,024 candidates): INDEXCP_SELECT_REGS=0 turns it off (the staged path then takes every
-  // row; the GPU tests run both)
-  bool regs = true;
+  // row; the GPU tests run both), 512 keeps it in the 512 instance only
+  bool regs = true, regs_mid = true;
   if (const char* er = ::indexcp::detail::knob_env("INDEXCP_SELECT_REGS")) {
-    INDEXCP_REQUIRE(std::strcmp(er, "0") == 0 || std::strcmp(er, "1") == 0,
-                    std::string("INDEXCP_SELECT_REGS = '") + er + "' must be 0 or 1");
-    regs = er[0] == '1';
+    INDEXCP_REQUIRE(std::strcmp(er, "0") == 0 || std::strcmp(er, "1") == 0 || std::strcmp(er, "512") == 0,
+                    std::string("INDEXCP_SELECT_REGS = '") + er + "' must be 0, 1 or 512");
+    regs = er[0] != '0';
+    regs_mid = er[0] == '1';
   }
+  if (staged == kStagedMid) regs = regs_mid;
   // a publish that signs its record gets one more block, which writes the signature alone (in
   // parallel with the problems: no block's work grows)
   const unsigned ctas = static_cast<unsigned>((cta ? problems : ceil_div(problems, kWarpsPerCta)) +

@@ -196,8 +196,8 @@ TEST(GpuDecode, SelectionIsExactAtOnePartPerMillion) {
 // (block b scores 32 (b % 32) + b / 32: more than 64 keys above the lane maxima's bound, distinct
 // at the boundary); K = 2, 8, 16 (0, 1 or 2 forced
 // sink blocks), 24 and 33 (23 and 32 ranked slots) and 40 (more than 32: the staged path). Each
-// through the warp kernel with the register path on and off, and the CTA kernel (the instance
-// checked); entries past a row's visible blocks hold NaN and must not be read.
+// through the warp kernel with the register path on, on in the 512 instance only
+// (INDEXCP_SELECT_REGS=512) and off, and the CTA kernel (the instance checked); entries past a row's visible blocks hold NaN and must not be read.
 TEST(GpuSelect, RowsEqualCpuOnAdversarialScores) {
   REQUIRE_GPU();
   const int32_t nh = 2;
@@ -247,11 +247,11 @@ TEST(GpuSelect, RowsEqualCpuOnAdversarialScores) {
         sel.topk = topk;
         sel.init_blocks = init;
         const std::vector<int32_t> cpu = select_from_scores(sc, qr, nh, max_blocks, sel);
-        for (const char* kernel : {"warp", "warp-noregs", "cta"}) {
+        for (const char* kernel : {"warp", "warp-512", "warp-noregs", "cta"}) {
           ScopedEnv e1("INDEXCP_SELECT"), e2("INDEXCP_SELECT_REGS"), e3("INDEXCP_SELECT_STAGED");
           e3.set("");  // the smallest instance max_blocks allows
           e1.set(std::strcmp(kernel, "cta") == 0 ? "cta" : "warp");
-          e2.set(std::strcmp(kernel, "warp-noregs") == 0 ? "0" : "1");
+          e2.set(std::strcmp(kernel, "warp-noregs") == 0 ? "0" : std::strcmp(kernel, "warp-512") == 0 ? "512" : "1");
           DevArr<int32_t> out(cpu.size());
           out.fill_bytes(0x7f);
           cuda::detail::SelectLaunch L;
@@ -264,9 +264,8 @@ TEST(GpuSelect, RowsEqualCpuOnAdversarialScores) {
           L.out_heads = nh;
           cuda::detail::launch_select(L, nullptr);
           CUDA_OK(cudaDeviceSynchronize());
-          const std::string want = std::strcmp(kernel, "cta") == 0    ? "cta"
-                                   : std::strcmp(kernel, "warp") == 0 ? inst + "-regs"
-                                                                      : inst;
+          const bool regs = std::strcmp(kernel, "warp") == 0 || (std::strcmp(kernel, "warp-512") == 0 && max_blocks <= 512);
+          const std::string want = std::strcmp(kernel, "cta") == 0 ? "cta" : regs ? inst + "-regs" : inst;
           EXPECT_EQ(std::string(cuda::detail::last_select_kernel()), want) << kernel;
           const std::vector<int32_t> got = out.host();
           for (int64_t r = 0; r < rows; ++r)
@@ -280,7 +279,7 @@ TEST(GpuSelect, RowsEqualCpuOnAdversarialScores) {
         }
       }
     }
-    expected += patterns * static_cast<int64_t>(sels.size()) * 3 * rows * nh;
+    expected += patterns * static_cast<int64_t>(sels.size()) * 4 * rows * nh;
   }
   EXPECT_EQ(checked, expected);
 }
