@@ -71,14 +71,15 @@ __device__ __forceinline__ bool better(uint32_t k, int32_t i, uint32_t k2, int32
   return k > k2 || (k == k2 && i < i2);
 }
 
-// Ascending bitonic sort of 32 keys, one per lane (all 32 lanes take part).
-__device__ __forceinline__ uint64_t warp_sort_asc(uint64_t v) {
+// Ascending bitonic sort of 32 keys, one per lane (all 32 lanes take part); T: uint32_t or uint64_t.
+template <class T>
+__device__ __forceinline__ T warp_sort_asc(T v) {
   const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int k = 2; k <= 32; k <<= 1) {
 #pragma unroll
     for (int j = k >> 1; j > 0; j >>= 1) {
-      const uint64_t o = __shfl_xor_sync(0xffffffffu, v, j);
+      const T o = __shfl_xor_sync(0xffffffffu, v, j);
       const bool keep_min = ((lane & j) == 0) == ((lane & k) == 0);
       v = keep_min ? (o < v ? o : v) : (o > v ? o : v);
     }
@@ -235,20 +236,8 @@ __device__ void warp_boundary(int32_t n, int32_t kk, Key key, Smem& sh, uint32_t
   *ti = last;
 }
 
-// Descending bitonic sort of 32 keys, one per lane (all 32 lanes take part): lane 0 the largest.
-__device__ __forceinline__ uint32_t warp_sort_desc32(uint32_t v) {
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int k = 2; k <= 32; k <<= 1) {
-#pragma unroll
-    for (int j = k >> 1; j > 0; j >>= 1) {
-      const uint32_t o = __shfl_xor_sync(0xffffffffu, v, j);
-      const bool keep_max = ((lane & j) == 0) == ((lane & k) == 0);
-      v = keep_max ? max(o, v) : min(o, v);
-    }
-  }
-  return v;
-}
+// Descending sort of 32 keys, one per lane (all 32 lanes take part): lane 0 the largest.
+__device__ __forceinline__ uint32_t warp_sort_desc32(uint32_t v) { return ~warp_sort_asc<uint32_t>(~v); }
 
 __device__ __forceinline__ void write_all_visible(int64_t n, int32_t K, int32_t* o) {
   for (int k = threadIdx.x & 31; k < K; k += 32) o[k] = k < n ? k : -1;
