@@ -40,7 +40,7 @@ namespace indexcp::cuda::detail {
 namespace {
 
 constexpr int kWarpsPerCta = 4;
-constexpr int kSurv = 64;      // survivors sorted in shared memory (fast path)
+constexpr int kSurv = 64;      // survivors kept (shared-memory slots) and sorted (fast path)
 constexpr int kStageIlp = 8;   // keys in flight per thread while a row is staged (warp and CTA kernels)
 constexpr int kStaged = 1536;  // keys staged per warp: rows of up to 1536 blocks (196K tokens);
                                // longer rows are read from L2 directly (correct, slower)
@@ -503,7 +503,10 @@ constexpr int kRegKeys = STAGED <= kStagedSmall ? 8 : 32;
 // 9,144 instructions long and stalled on instruction fetch: bench/NOTES.md, v10). REGS (select
 // only, the 512 and 1,024 instances): rows of up to 32 kRegKeys<STAGED> candidates (and kk <= 32)
 // take select_in_registers; instances of their own, so that the others keep their registers
-// (inlined into every instance, the path took the 1,024 one from 40 to 48 registers).
+// (inlined into every instance, its first form took the 1,024 one from 40 to 48 registers). Their
+// minimum CTAs per multiprocessor: 12 holds the 512 one at 40 registers without a spill (48
+// without the bound); 5 lets the 1,024 one keep 95 (127 without; 80 or fewer spill), 20 warps per
+// multiprocessor (bench/NOTES.md v30).
 template <bool PUBLISH, int STAGED, bool REGS = false>
 __global__ void __launch_bounds__(kWarpsPerCta * 32, REGS ? (STAGED <= kStagedSmall ? 12 : 5) : 1) select_warp_kernel(const SelectArgs s, const SignatureOut so) {
   __shared__ WarpSmemT<STAGED, PUBLISH> shm[kWarpsPerCta];

@@ -190,7 +190,8 @@ TEST(GpuDecode, SelectionIsExactAtOnePartPerMillion) {
 // The select kernels on block scores built to break them, against the CPU's select_topk: rows of
 // 1 to 512 visible blocks in scores of 512 blocks per row (the warp kernel's 512 instance: the
 // trivial rows, its register path up to 256 candidates and the edges, the staged path beyond) and
-// of 1 to 1,024 in scores of 1,024 (the 1,024 instance, whose register path takes them all);
+// of 1 to 1,024 in scores of 1,024 (the 1,024 instance, whose register path takes every row of
+// at most 64 survivors and K <= 33);
 // scores random, on a few values (plateaus wider than the 64 sorted survivors), all equal,
 // ascending, descending, with NaN, -0.0 / +0.0, +-Inf and subnormals, and lane-major ascending
 // (block b scores 32 (b % 32) + b / 32: more than 64 keys above the lane maxima's bound, distinct
