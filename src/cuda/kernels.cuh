@@ -117,10 +117,25 @@ struct SignatureOut {
   uint32_t* signature = nullptr;
   StepSignature sig;
 };
+/// Which path of the warp select kernel produced a (row, head) problem's selection
+/// (SelectLaunch::paths; tests only).
+enum class SelectPath : uint8_t {
+  kTrivial = 0,            ///< at most topk visible blocks: all of them, nothing ranked
+  kRegisters = 1,          ///< select_in_registers
+  kStaged = 2,             ///< the staged path, the register path not tried (instance, row length or kk)
+  kRegistersFellBack = 3,  ///< the staged path after the register path found more than 64 survivors
+};
 struct SelectLaunch : SelectArgs {
   /// publish: see SignatureOut
   uint32_t* signature = nullptr;
   StepSignature sig;
+  /// Tests only (nullptr otherwise): when non-null, a select through the warp kernel writes here
+  /// the SelectPath of each (row, head) problem p = row * nh + hh (one byte each); the CTA kernel
+  /// and the publish write nothing. Such a launch runs a twin of the warp kernel's instance that
+  /// writes them (the instances run without it are compiled as if it did not exist); a kernel
+  /// parameter of the warp kernel, not in SelectArgs, so that the CTA kernels' code stays as it is
+  /// (see SelectArgs).
+  uint8_t* paths = nullptr;
 };
 /// Exact selection (section 4) or publish (section 5 step 2), one CTA per (row, head).
 void launch_select(const SelectLaunch& s, cudaStream_t stream);

@@ -482,6 +482,14 @@ bool gemm8_persistent(const ScoreArgs& a, int64_t gy) {
   return !(e && std::strcmp(e, "0") == 0);
 }
 
+// Whether the persistent GEMM-shaped scorer plans a share's second segment in its prologue, so that
+// neither role waits for the other at the switch (INDEXCP_SCORE_G8_PLAN_AHEAD, 1 by default; the
+// same bits either way: bench/NOTES.md v31).
+bool gemm8_plan_ahead() {
+  const char* e = ::indexcp::detail::knob_env("INDEXCP_SCORE_G8_PLAN_AHEAD");
+  return !(e && std::strcmp(e, "0") == 0);
+}
+
 template <bool GATHER, bool NVFP4, bool F16, bool PROD = false>
 void launch_gemm8(const ScoreArgs& a0, int64_t nvec_max, cudaStream_t stream) {
   constexpr int smem = gemm8_smem_bytes<F16, NVFP4, PROD>();
@@ -623,6 +631,7 @@ void launch_score(const ScoreLaunch& s, cudaStream_t stream) {
   a.wg_desc_bits = wg_desc_fixed_bits();
   a.g8_slices = 0;
   a.fill_unscored = 0;
+  a.g8_plan_ahead = gemm8_plan_ahead() ? 1 : 0;
   if (const char* e = ::indexcp::detail::knob_env("INDEXCP_SCORE_DEBUG")) a.debug = std::atoi(e);
   const PageLayout& L = s.keys.layout;
   const int32_t R = L.rows();

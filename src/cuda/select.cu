@@ -244,6 +244,27 @@ __device__ __forceinline__ void write_all_visible(int64_t n, int32_t K, int32_t*
   for (int k = threadIdx.x & 31; k < K; k += 32) o[k] = k < n ? k : -1;
 }
 
+// The output frame of a selection (indexer.md section 4) of a row with more than topk visible
+// blocks: the forced blocks 0 .. init-1, the chosen blocks in ascending id order from init, the
+// row's local block right after them, then -1 up to topk. Its five writers (select_in_registers,
+// the warp kernel's staged path, the CTA kernel, the merge's two paths) differ only in how they
+// find the chosen ids and their places, so the frame is written here once and each writer passes
+// chosen(put): it stores every chosen id by put(p, id) (o[init + p] = id, p its rank in id order
+// among the chosen) and returns how many it chose, the same on every thread. The tail comes after
+// the chosen ids because some writers count them only while storing them (the staged path without
+// survivors, the merge's shared-memory path). Thread t of `threads` writes every threads-th entry
+// of the fixed parts. The chosen ids lie in [init, local) and number at most kk = topk - 1 - init,
+// so the local block appears once and always fits (rows of at most topk visible blocks, where init
+// may exceed them, never get here: write_trivial and write_all_visible take those). put and chosen
+// are lambdas, inlined: each writer's code is that of its loops written out.
+template <class Chosen>
+__device__ __forceinline__ void write_selection(int32_t* o, int32_t init, int32_t local, int32_t topk, int t,
+                                                int threads, Chosen&& chosen) {
+  for (int k = t; k < init; k += threads) o[k] = k;
+  const int got = chosen([&](int p, int32_t id) { o[init + p] = id; });
+  for (int k = init + got + t; k < topk; k += threads) o[k] = k == init + got ? local : -1;
+}
+
 // One (row, head) problem of select / publish, as both kernels see it: the visible blocks, the
 // candidates (blocks init .. local-1), the outputs, and the candidate key of spec/indexer.md
 // section 3 (publish: only blocks of which this rank stores rows, and the block filter).
@@ -398,12 +419,12 @@ __device__ __forceinline__ bool select_in_registers(const SelectProblem& pb, int
   const bool take_a = ka > T || (ka == T && __popc(ea & lanemask_lt()) < need);
   const bool take_b = kb > T || (kb == T && __popc(ea) + __popc(eb & lanemask_lt()) < need);
   const unsigned ta = __ballot_sync(0xffffffffu, take_a), tb = __ballot_sync(0xffffffffu, take_b);
-  int32_t* o = pb.o;
-  for (int k = lane; k < init; k += 32) o[k] = k;
-  if (take_a) o[init + __popc(ta & lanemask_lt())] = init + ia;
-  if (take_b) o[init + __popc(ta) + __popc(tb & lanemask_lt())] = init + ib;
-  const int base = __popc(ta) + __popc(tb);  // (kk)
-  for (int k = init + base + lane; k < topk; k += 32) o[k] = k == init + base ? pb.local : -1;
+  write_selection(pb.o, init, pb.local, topk, lane, 32, [&](auto put) {
+    const int na = __popc(ta);  // chosen in the a halves, which come first in index order
+    if (take_a) put(__popc(ta & lanemask_lt()), init + ia);
+    if (take_b) put(na + __popc(tb & lanemask_lt()), init + ib);
+    return na + __popc(tb);  // (kk)
+  });
   __syncwarp();  // (the survivors' slots are read by every lane above)
   return true;
 }
@@ -507,8 +528,14 @@ constexpr int kRegKeys = STAGED <= kStagedSmall ? 8 : 32;
 // minimum CTAs per multiprocessor: 12 holds the 512 one at 40 registers without a spill (48
 // without the bound); 5 lets the 1,024 one keep 95 (127 without; 80 or fewer spill), 20 warps per
 // multiprocessor (bench/NOTES.md v30).
-template <bool PUBLISH, int STAGED, bool REGS = false>
-__global__ void __launch_bounds__(kWarpsPerCta * 32, REGS ? (STAGED <= kStagedSmall ? 12 : 5) : 1) select_warp_kernel(const SelectArgs s, const SignatureOut so) {
+// TRACE (select only, tests: SelectLaunch::paths): each problem's SelectPath written to `paths`
+// (nullptr and unused otherwise). Instances of their own, so that the others are compiled as
+// without it: a store behind a test of `paths` in every instance, never taken in production, still
+// moved ptxas's allocation in the 512 register instance, held at 40 registers (39 shared-memory
+// addresses recomputed where one register had held them, some in the register path's survivor
+// compaction).
+template <bool PUBLISH, int STAGED, bool REGS = false, bool TRACE = false>
+__global__ void __launch_bounds__(kWarpsPerCta * 32, REGS ? (STAGED <= kStagedSmall ? 12 : 5) : 1) select_warp_kernel(const SelectArgs s, const SignatureOut so, uint8_t* const paths) {
   __shared__ WarpSmemT<STAGED, PUBLISH> shm[kWarpsPerCta];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t problem = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + warp;
@@ -525,14 +552,30 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, REGS ? (STAGED <= kStagedSm
   const float* sc = pb.sc;
   Candidate* oc = pb.oc;
   int32_t* o = pb.o;
-  if (pb.write_trivial(sel.topk, lane, 32)) return;
+  // TRACE: the path that produces this problem's selection (a register path that always gave up
+  // would still select right, only slower, so the tests look here)
+  auto note_path = [&](SelectPath p) {
+    if constexpr (TRACE) {
+      if (lane == 0) paths[problem] = static_cast<uint8_t>(p);
+    }
+  };
+  if (pb.write_trivial(sel.topk, lane, 32)) {
+    note_path(SelectPath::kTrivial);
+    return;
+  }
+  SelectPath path = SelectPath::kStaged;
   if constexpr (!PUBLISH && REGS) {  // rows that fit: the keys stay in registers
     constexpr int RK = kRegKeys<STAGED>;
     if (nc <= 32 * RK && kk <= 32) {
-      if (select_in_registers<RK>(pb, sel.topk, sh.skey, sh.sidx)) return;
+      if (select_in_registers<RK>(pb, sel.topk, sh.skey, sh.sidx)) {
+        note_path(SelectPath::kRegisters);
+        return;
+      }
+      path = SelectPath::kRegistersFellBack;
       __syncwarp();  // more than 64 survivors: the staged path, which rewrites the survivors' slots
     }
   }
+  note_path(path);
   auto key_global = [&](int32_t i) -> uint32_t { return pb.key(i); };
   // stage the keys; publish compacts them to the blocks this rank stores (so that a periodic
   // validity pattern, e.g. every other block at P256, cannot defeat the per-lane filter)
@@ -571,28 +614,29 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, REGS ? (STAGED <= kStagedSm
   auto selected = [&](uint32_t k, int32_t i) { return k != 0 && !better(tk, ti, k, i); };
 
   if constexpr (!PUBLISH) {  // ---- selection: [0..init), chosen ids ascending, local
-    for (int k = lane; k < init; k += 32) o[k] = k;
-    int base = 0;
-    if (S > 0) {  // the selection is a prefix of the sorted survivors; each one's place is its id's rank
-      int c = 0;
-      for (int e = lane; e < S; e += 32) c += selected(sh.skey[e], sh.sidx[e]);
-      base = __reduce_add_sync(0xffffffffu, c);
-      for (int e = lane; e < base; e += 32) {
-        const int32_t id = sh.sidx[e];
-        int p = 0;
+    write_selection(o, init, local, sel.topk, lane, 32, [&](auto put) {
+      int base = 0;
+      if (S > 0) {  // the selection is a prefix of the sorted survivors; each one's place is its id's rank
+        int c = 0;
+        for (int e = lane; e < S; e += 32) c += selected(sh.skey[e], sh.sidx[e]);
+        base = __reduce_add_sync(0xffffffffu, c);
+        for (int e = lane; e < base; e += 32) {
+          const int32_t id = sh.sidx[e];
+          int p = 0;
 #pragma unroll 4
-        for (int f = 0; f < base; ++f) p += sh.sidx[f] < id;
-        o[init + p] = init + id;
+          for (int f = 0; f < base; ++f) p += sh.sidx[f] < id;
+          put(p, init + id);
+        }
       }
-    }
-    for (int32_t i0 = 0; S == 0 && i0 < nc; i0 += 32) {
-      const int32_t i = i0 + lane;
-      const bool take = i < nc && selected(key(i), i);
-      const unsigned m = __ballot_sync(0xffffffffu, take);
-      if (take) o[init + base + __popc(m & lanemask_lt())] = init + i;
-      base += __popc(m);
-    }
-    for (int k = init + base + lane; k < sel.topk; k += 32) o[k] = k == init + base ? local : -1;
+      for (int32_t i0 = 0; S == 0 && i0 < nc; i0 += 32) {
+        const int32_t i = i0 + lane;
+        const bool take = i < nc && selected(key(i), i);
+        const unsigned m = __ballot_sync(0xffffffffu, take);
+        if (take) put(base + __popc(m & lanemask_lt()), init + i);
+        base += __popc(m);
+      }
+      return base;
+    });
   } else {
     // ---- publish: the selection ordered by (score desc, id asc), then empty entries
     int m = 0;
@@ -747,10 +791,11 @@ __global__ void __launch_bounds__(kSelThreads) select_cta_kernel(const SelectArg
   int place, got;
   SelScan(sh.scan).ExclusiveSum(cnt, place, got);
   if constexpr (!PUBLISH) {  // ---- selection: [0..init), chosen ids ascending, local, then -1
-    for (int k = tid; k < init; k += kSelThreads) o[k] = k;
-    for (int32_t i = a; i < e; ++i)
-      if (selected(key(i), i)) o[init + place++] = init + i;
-    for (int k = init + got + tid; k < sel.topk; k += kSelThreads) o[k] = k == init + got ? local : -1;
+    write_selection(o, init, local, sel.topk, tid, kSelThreads, [&](auto put) {
+      for (int32_t i = a; i < e; ++i)
+        if (selected(key(i), i)) put(place++, init + i);
+      return got;
+    });
   } else {
     // ---- publish: the selection ordered by (score desc, id asc), then empty entries
     for (int32_t i = a; i < e; ++i) {
@@ -843,9 +888,10 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) merge_kernel(const MergeLau
     const unsigned cm = __ballot_sync(0xffffffffu, chosen);
     const int got = __popc(cm);
     if (disagree()) return;  // after the arithmetic, so that the check's latency hides behind it
-    for (int q = lane; q < init; q += 32) o[q] = q;
-    if (chosen) o[init + __popc(cm & ((1u << lane) - 1u))] = id;
-    for (int q = init + got + lane; q < sel.topk; q += 32) o[q] = q == init + got ? local : -1;
+    write_selection(o, init, local, sel.topk, lane, 32, [&](auto put) {
+      if (chosen) put(__popc(cm & ((1u << lane) - 1u)), id);
+      return got;
+    });
     return;
   }
   if (disagree()) return;
@@ -887,17 +933,17 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32) merge_kernel(const MergeLau
     if (out_mask >> j & 1u) K[e] = 0u;
   __syncwarp();
   // 3. ascending ids: each selected entry's place among the selected
-  for (int k = lane; k < init; k += 32) o[k] = k;
-  int cnt = 0;
-  for (int32_t e = lane; e < m; e += 32) {
-    if (K[e] == 0) continue;
-    ++cnt;
-    int p = 0;
-    for (int32_t f = 0; f < m; ++f) p += K[f] != 0 && ID[f] < ID[e];
-    o[init + p] = ID[e];
-  }
-  const int got = __reduce_add_sync(0xffffffffu, cnt);
-  for (int k = init + got + lane; k < sel.topk; k += 32) o[k] = k == init + got ? local : -1;
+  write_selection(o, init, local, sel.topk, lane, 32, [&](auto put) {
+    int cnt = 0;
+    for (int32_t e = lane; e < m; e += 32) {
+      if (K[e] == 0) continue;
+      ++cnt;
+      int p = 0;
+      for (int32_t f = 0; f < m; ++f) p += K[f] != 0 && ID[f] < ID[e];
+      put(p, ID[e]);
+    }
+    return __reduce_add_sync(0xffffffffu, cnt);
+  });
 }
 
 __global__ void signature_kernel(const RowsView rows, const SignatureOut so) { write_step_signature(rows, so); }
@@ -908,6 +954,15 @@ __global__ void signature_status_kernel(const MergeLaunch mg) {
 }
 
 thread_local const char* t_last_select = "";  // last_select_kernel
+
+// A select instance of the warp kernel; its TRACE twin when the caller asks for the paths (tests).
+template <int STAGED, bool REGS>
+void launch_select_warp(unsigned ctas, const SelectArgs& s, uint8_t* paths, cudaStream_t stream) {
+  if (paths != nullptr)
+    select_warp_kernel<false, STAGED, REGS, true><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, SignatureOut{}, paths);
+  else
+    select_warp_kernel<false, STAGED, REGS><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, SignatureOut{}, nullptr);
+}
 
 }  // namespace
 
@@ -975,13 +1030,13 @@ void launch_select(const SelectLaunch& launch, cudaStream_t stream) {
                                               (publish && so.signature != nullptr ? 1 : 0));
   if (cta && publish) select_cta_kernel<true><<<ctas, kSelThreads, 0, stream>>>(s, so);
   else if (cta) select_cta_kernel<false><<<ctas, kSelThreads, 0, stream>>>(s, SignatureOut{});
-  else if (publish && staged == kStagedSmall) select_warp_kernel<true, kStagedSmall><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, so);
-  else if (publish) select_warp_kernel<true, kStaged><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, so);
-  else if (staged == kStagedSmall && regs) select_warp_kernel<false, kStagedSmall, true><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, SignatureOut{});
-  else if (staged == kStagedSmall) select_warp_kernel<false, kStagedSmall><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, SignatureOut{});
-  else if (staged == kStagedMid && regs) select_warp_kernel<false, kStagedMid, true><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, SignatureOut{});
-  else if (staged == kStagedMid) select_warp_kernel<false, kStagedMid><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, SignatureOut{});
-  else select_warp_kernel<false, kStaged><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, SignatureOut{});
+  else if (publish && staged == kStagedSmall) select_warp_kernel<true, kStagedSmall><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, so, nullptr);
+  else if (publish) select_warp_kernel<true, kStaged><<<ctas, kWarpsPerCta * 32, 0, stream>>>(s, so, nullptr);
+  else if (staged == kStagedSmall && regs) launch_select_warp<kStagedSmall, true>(ctas, s, launch.paths, stream);
+  else if (staged == kStagedSmall) launch_select_warp<kStagedSmall, false>(ctas, s, launch.paths, stream);
+  else if (staged == kStagedMid && regs) launch_select_warp<kStagedMid, true>(ctas, s, launch.paths, stream);
+  else if (staged == kStagedMid) launch_select_warp<kStagedMid, false>(ctas, s, launch.paths, stream);
+  else launch_select_warp<kStaged, false>(ctas, s, launch.paths, stream);
   t_last_select = cta ? (publish ? "cta-publish" : "cta") : publish ? (staged == kStagedSmall ? "warp512-publish" : "warp1536-publish")
                   : staged == kStagedSmall ? (regs ? "warp512-regs" : "warp512")
                   : staged == kStagedMid ? (regs ? "warp1024-regs" : "warp1024") : "warp1536";

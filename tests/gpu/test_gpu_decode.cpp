@@ -198,7 +198,30 @@ TEST(GpuDecode, SelectionIsExactAtOnePartPerMillion) {
 // at the boundary); K = 2, 8, 16 (0, 1 or 2 forced
 // sink blocks), 24 and 33 (23 and 32 ranked slots) and 40 (more than 32: the staged path). Each
 // through the warp kernel with the register path on, on in the 512 instance only
-// (INDEXCP_SELECT_REGS=512) and off, and the CTA kernel (the instance checked); entries past a row's visible blocks hold NaN and must not be read.
+// (INDEXCP_SELECT_REGS=512) and off, and the CTA kernel (the instance checked). The entries past
+// a row's visible blocks hold +Inf, the highest key, and must not be read: a kernel that read one
+// would select it (NaN, the lowest key, would almost never change a selection). The CPU's
+// select_topk reads only the candidates init .. local-1, all visible, so the expected selections
+// do not depend on them.
+// The warp kernel also reports each problem's path (SelectLaunch::paths: a second launch, which
+// runs the instance's twin that writes them and must select the same), since a register path
+// that always gave up would still select right, only slower: the trivial path for rows of at most
+// K visible blocks; the staged path where the register path is off or cannot hold the problem
+// (more than 32 kRegKeys candidates: 256 in the 512 instance, 1,024 in the 1,024 one; or more
+// than 32 ranked slots); elsewhere the register path or its fallback to the staged path, and
+// select_in_registers falls back exactly when more than 64 keys are >= its bound t0, the kk-th
+// largest of the 32 lane maxima (kk = K - 1 - init ranked slots). So:
+//   - all equal scores (pattern 2): every lane that holds a candidate has the one key as its
+//     maximum, and at least kk lanes hold one (nc > kk), so t0 is that key and all nc candidates
+//     survive: the register path exactly when nc <= 64, the fallback beyond;
+//   - random scores (pattern 0), at most 23 ranked slots (K <= 24): for iid scores, m candidates
+//     per lane, a fraction p of the keys lies above t0 where 32 (1 - (1 - p)^m) = kk, so about
+//     nc p = -32 ln(1 - kk / 32) survive, whatever the row's length: 20 for kk = 15 (sd below 3),
+//     41 for kk = 23 (sd below 6; about 1 row in 5,000 of 1,000 candidates has more than 64, in a
+//     simulation), so nearly every such problem must take the register path, and at least 90%
+//     leaves room for other draws (this data: all of them, at most 51 survivors). K = 33 (kk =
+//     32: t0 is the smallest lane maximum) takes it for a quarter to a half of the rows here, so
+//     it is not checked.
 TEST(GpuSelect, RowsEqualCpuOnAdversarialScores) {
   REQUIRE_GPU();
   const int32_t nh = 2;
@@ -225,7 +248,7 @@ TEST(GpuSelect, RowsEqualCpuOnAdversarialScores) {
     for (int pattern = 0; pattern < patterns; ++pattern) {
       std::mt19937 rng(100u + static_cast<uint32_t>(pattern));
       std::normal_distribution<float> normal(0.0f, 1.0f);
-      std::vector<float> sc(static_cast<size_t>(rows) * nh * max_blocks, nan);
+      std::vector<float> sc(static_cast<size_t>(rows) * nh * max_blocks, inf);  // past the visible blocks: +Inf
       for (int64_t r = 0; r < rows; ++r)
         for (int32_t h = 0; h < nh; ++h)
           for (int64_t b = 0; b < nvis[r]; ++b) {
@@ -253,22 +276,28 @@ TEST(GpuSelect, RowsEqualCpuOnAdversarialScores) {
           e3.set("");  // the smallest instance max_blocks allows
           e1.set(std::strcmp(kernel, "cta") == 0 ? "cta" : "warp");
           e2.set(std::strcmp(kernel, "warp-noregs") == 0 ? "0" : std::strcmp(kernel, "warp-512") == 0 ? "512" : "1");
-          DevArr<int32_t> out(cpu.size());
-          out.fill_bytes(0x7f);
-          cuda::detail::SelectLaunch L;
-          L.rows = cuda::detail::RowsView{d_seq.get(), nullptr, static_cast<int32_t>(rows), 1, rows};
-          L.scores = d_sc.get();
-          L.max_blocks = max_blocks;
-          L.nh = nh;
-          L.sel = sel;
-          L.out = out.get();
-          L.out_heads = nh;
-          cuda::detail::launch_select(L, nullptr);
-          CUDA_OK(cudaDeviceSynchronize());
           const bool regs = std::strcmp(kernel, "warp") == 0 || (std::strcmp(kernel, "warp-512") == 0 && max_blocks <= 512);
           const std::string want = std::strcmp(kernel, "cta") == 0 ? "cta" : regs ? inst + "-regs" : inst;
-          EXPECT_EQ(std::string(cuda::detail::last_select_kernel()), want) << kernel;
-          const std::vector<int32_t> got = out.host();
+          // paths: SelectLaunch::paths (null: the production instance; else its twin that writes them)
+          auto launch = [&](uint8_t* paths) -> std::vector<int32_t> {
+            DevArr<int32_t> out(cpu.size());
+            out.fill_bytes(0x7f);
+            cuda::detail::SelectLaunch L;
+            L.rows = cuda::detail::RowsView{d_seq.get(), nullptr, static_cast<int32_t>(rows), 1, rows};
+            L.scores = d_sc.get();
+            L.max_blocks = max_blocks;
+            L.nh = nh;
+            L.sel = sel;
+            L.out = out.get();
+            L.out_heads = nh;
+            L.paths = paths;
+            cuda::detail::launch_select(L, nullptr);
+            const cudaError_t e = cudaDeviceSynchronize();  // (CUDA_OK returns void)
+            EXPECT_EQ(e, cudaSuccess) << cudaGetErrorString(e);
+            EXPECT_EQ(std::string(cuda::detail::last_select_kernel()), want) << kernel;
+            return out.host();
+          };
+          const std::vector<int32_t> got = launch(nullptr);
           for (int64_t r = 0; r < rows; ++r)
             for (int32_t h = 0; h < nh; ++h) {
               const size_t o = static_cast<size_t>((r * nh + h) * topk);
@@ -277,6 +306,55 @@ TEST(GpuSelect, RowsEqualCpuOnAdversarialScores) {
                   << kernel << " row " << r << " (" << nvis[r] << " visible blocks) head " << h;
               ++checked;
             }
+          // the paths (see above), from the same launch with SelectLaunch::paths, which runs the warp
+          // kernel instance's twin that writes them (the same selections); the CTA kernel writes none
+          using cuda::detail::SelectPath;
+          DevArr<uint8_t> paths(static_cast<size_t>(rows) * nh);
+          paths.fill_bytes(0xff);  // (not written: 0xff)
+          EXPECT_EQ(launch(paths.get()), got) << "the launch with the paths selects differently, max_blocks " << max_blocks
+                                              << " pattern " << pattern << " K " << topk << " init " << init << " " << kernel;
+          const std::vector<uint8_t> path = paths.host();
+          const bool warp = std::strcmp(kernel, "cta") != 0;
+          const int32_t kk = topk - 1 - init;                        // ranked slots
+          const int64_t reg_cands = max_blocks > 512 ? 1024 : 256;  // 32 kRegKeys of the instance
+          int64_t tried = 0, in_regs = 0, regs_reported = 0;
+          for (int64_t r = 0; r < rows; ++r)
+            for (int32_t h = 0; h < nh; ++h) {
+              const int p = path[static_cast<size_t>(r * nh + h)];
+              const int64_t nc = nvis[r] - 1 - init;  // candidates
+              auto where = [&] {  // (built only when an expectation fails)
+                return "max_blocks " + std::to_string(max_blocks) + " pattern " + std::to_string(pattern) + " K " +
+                       std::to_string(topk) + " init " + std::to_string(init) + " " + kernel + " row " + std::to_string(r) +
+                       " (" + std::to_string(nvis[r]) + " visible blocks) head " + std::to_string(h) + ": path " +
+                       std::to_string(p);
+              };
+              regs_reported += p == static_cast<int>(SelectPath::kRegisters);
+              if (!warp) {
+                EXPECT_EQ(p, 0xff) << where();
+              } else if (nvis[r] <= topk) {
+                EXPECT_EQ(p, static_cast<int>(SelectPath::kTrivial)) << where();
+              } else if (!regs || kk > 32 || nc > reg_cands) {
+                EXPECT_EQ(p, static_cast<int>(SelectPath::kStaged)) << where();
+              } else {
+                EXPECT_TRUE(p == static_cast<int>(SelectPath::kRegisters) || p == static_cast<int>(SelectPath::kRegistersFellBack))
+                    << where();
+                ++tried;
+                in_regs += p == static_cast<int>(SelectPath::kRegisters);
+                if (pattern == 2) {  // all equal: nc survivors
+                  EXPECT_EQ(p, static_cast<int>(nc <= 64 ? SelectPath::kRegisters : SelectPath::kRegistersFellBack)) << where();
+                }
+              }
+            }
+          if (!regs) {
+            EXPECT_EQ(regs_reported, 0) << kernel << " max_blocks " << max_blocks;
+          } else if (kk <= 32) {
+            EXPECT_GT(tried, 0) << kernel << " max_blocks " << max_blocks << " K " << topk;
+            if (pattern == 0 && topk <= 24 && tried > 0) {
+              EXPECT_GE(static_cast<double>(in_regs) / static_cast<double>(tried), 0.9)
+                  << in_regs << " of " << tried << " random-score problems took the register path, " << kernel
+                  << " max_blocks " << max_blocks << " K " << topk << " init " << init;
+            }
+          }
         }
       }
     }

@@ -324,8 +324,10 @@ TEST(GpuFp8Mma, GatherAndLocalScorePrefillEqualReplicated) {
 // slices end on every side of a block boundary, one empty), 4 and 2 heads (2,800 and 1,400 vectors:
 // the last CTA of a request half or wholly past its vectors), the first request alone with one head
 // (130 vectors: one CTA, half of it past them), the in-CTA and the global work plan,
-// the persistent grid (a CTA's share crosses slices: 1 CTA for all, or one per multiprocessor) and
-// the grid of CTAs per slice (1 per slice, or the default), and NVFP4 scale bytes with the sign bit
+// the persistent grid (a CTA's share crosses slices: 1 CTA for all, 3, or one per multiprocessor;
+// with the producer, the first two segments planned in the prologue and the rest at a CTA barrier,
+// or, INDEXCP_SCORE_G8_PLAN_AHEAD=0, every one at a barrier) and
+// the grid of CTAs per slice (1 or 3 per slice, or the default), and NVFP4 scale bytes with the sign bit
 // set (the default launch); and it is the kernel that ran (by default in both modes; compute
 // capability 9.0, a build with sm_90a code). In fp8_mma both forms: with the producer warpgroup (the
 // default: a third warpgroup fills the stages) and without it (INDEXCP_SCORE_G8_PRODUCER=0).
@@ -358,9 +360,11 @@ TEST(GpuFp8Mma, GemmScorerEqualsTheTileScorer) {
     };
     for (const Case c : {Case{0, 4, 5}, Case{1, 2, 5}, Case{2, 1, 1}})
       for (const char* plan : {"", "kernel"})
-        for (const char* ctas : {"", "1"})
-          for (const char* persist : {"", "0"}) {
-            if ((neg || c.nreq == 1) && (*plan || *ctas || *persist)) continue;  // the default launch only
+        for (const char* ctas : {"", "1", "3"})
+          for (const char* persist : {"", "0"})
+          for (const char* ahead : {"", "0"}) {
+            if ((neg || c.nreq == 1) && (*plan || *ctas || *persist || *ahead)) continue;  // the default launch only
+            if (*ahead && (*plan || *persist)) continue;  // (the plan ahead is the persistent in-CTA plan's)
             const int32_t h0 = c.h0, nh = c.nh;
             PrefillBatch batch = d.b;
             batch.num_requests = c.nreq;
@@ -369,14 +373,16 @@ TEST(GpuFp8Mma, GemmScorerEqualsTheTileScorer) {
             const int64_t nrows = s.qs[c.nreq];
             const char* knob = prec == kF8 ? "INDEXCP_SCORE_GEMM8" : "INDEXCP_SCORE_GEMM16";
             ScopedEnv gemm_env(knob), plan_env("INDEXCP_SCORE_PLAN"), ctas_env("INDEXCP_SCORE_CTAS"),
-                persist_env("INDEXCP_SCORE_G8_PERSISTENT");
+                persist_env("INDEXCP_SCORE_G8_PERSISTENT"), ahead_env("INDEXCP_SCORE_G8_PLAN_AHEAD");
             plan_env.set(plan);
             ctas_env.set(ctas);
             persist_env.set(persist);
+            ahead_env.set(ahead);
             const std::string where = std::string(prec == kF8 ? "fp8_mma " : "fp32 ") + to_string(dt) + " P" +
                                       std::to_string(P) + " heads " + std::to_string(h0) + ".." +
                                       std::to_string(h0 + nh - 1) + " requests " + std::to_string(c.nreq) + " plan '" +
-                                      plan + "' ctas '" + ctas + "' persistent '" + persist + "'" +
+                                      plan + "' ctas '" + ctas + "' persistent '" + persist + "' plan ahead '" +
+                                      ahead + "'" +
                                       (neg ? " negative scales" : "");
             DevArr<float> out(static_cast<size_t>(nrows) * nh * mb);
             // run 0: the GEMM-shaped scorer (the default: in fp8_mma with its producer warpgroup), 1:

@@ -54,10 +54,12 @@
 // roles split right after the persistent prologue, each with its own setmaxnreg (kProdRegs,
 // kMathRegs) and its own copy of the code (ptxas ignores setmaxnreg for code both roles reach).
 // The producer may fill all kStages stages ahead; its leader (thread 256) writes a stage's block
-// index. Both roles still meet at the CTA barriers of each persistent segment's plan (plan_block),
+// index. The first two segments of a persistent share are planned before the roles split (the
+// prologue), so the producer goes on into the second slice's stages while the math warpgroups
+// finish the first. Both roles meet at the CTA barriers of any later segment's plan (plan_block),
 // each at its own copy of the bar.sync: every warp belongs to one role and both roles reach the
 // same barriers in the same order (the loops' bounds come from the plan alone), the pattern of
-// warp-specialized kernels; the ring drains at each segment's end (the producer waits there).
+// warp-specialized kernels; the ring drains there (the producer waits).
 // INDEXCP_SCORE_DEBUG's bit 2 (no key loads) is not honoured by the producer's loads.
 // Measured: bench/NOTES.md v25 (an H100: the replicated NVFP4 scorer 13% faster, the FP8 gather's 4%).
 // With NVFP4 keys the math warpgroups' loop is rotated (INDEXCP_SCORE_G8_ROTATED): a warpgroup
@@ -469,12 +471,15 @@ __device__ __forceinline__ void gemm8_store(const float (&v)[4], int t4, int32_t
   if (blk < olim) out[obase + blk] = x;
 }
 
-// The pairs of query slice y (256 vectors: rows y * 256 / nh .. (y * 256 + 255) / nh of each
-// request) over all requests: the total of that slice's plan (plan_block). For the persistent grid.
+// Query slice y (256 vectors: rows y * 256 / nh .. (y * 256 + 255) / nh of each request), and its
+// pairs over all requests: the total of that slice's plan (plan_block). For the persistent grid.
+__device__ __forceinline__ Slice gemm8_slice(const ScoreArgs& a, int32_t y) {
+  const int32_t v0 = y * kG8Vectors;
+  return Slice{v0, (v0 + kG8Vectors - 1) / a.nh};
+}
 template <bool GATHER>
 __device__ __forceinline__ int64_t gemm8_slice_pairs(const ScoreArgs& a, int32_t y) {
-  const int32_t v0 = y * kG8Vectors;
-  const Slice sl{v0, (v0 + kG8Vectors - 1) / a.nh};
+  const Slice sl = gemm8_slice(a, y);
   int64_t t = 0;
   for (int32_t b = 0; b < a.rows.num_requests; ++b) t += num_pairs<GATHER>(a, request_info(a, b, sl));
   return t;
@@ -503,19 +508,11 @@ __global__ void __launch_bounds__(g8_threads<PROD>(), 1) gemm8_score_kernel(cons
   int32_t* smeta = reinterpret_cast<int32_t*>(turn + 2);  // [kStages]: the block of a stage (-1: PROD, the request's end)
   int32_t* splan = smeta + kStages;                       // [kPlanLocal + 2]
   uint2* lut = reinterpret_cast<uint2*>((reinterpret_cast<uintptr_t>(splan + kPlanLocal + 2) + 7) & ~uintptr_t{7});  // [256] (NVFP4)
+  // The table's entries are loaded first and stored after the share's loads are issued, so that the
+  // two latencies overlap (bench/NOTES.md v31).
+  [[maybe_unused]] uint2 lut_v{};
   if constexpr (NVFP4)
-    for (int i = threadIdx.x; i < 256; i += kT) lut[i] = g_khat_lut[i];  // (signed entries: form_khat_entry)
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < kStages; ++i) {
-      // every filling thread's copies (expansion), and the block index of the first of them
-      mbar_init(&full[i], (PROD ? 128 : kG8Threads) + 1);
-      mbar_init(&empty[i], kG8Threads);     // every math thread's chains done
-    }
-    mbar_init(&turn[0], kG8Threads / 2);  // the threads of one warpgroup
-    mbar_init(&turn[1], kG8Threads / 2);
-    mbar_fence_init();
-  }
-  __syncthreads();
+    if (threadIdx.x < 256) lut_v = g_khat_lut[threadIdx.x];  // (signed entries: form_khat_entry)
 
   const int32_t B = a.rows.num_requests;
   // The work: the pairs of every query slice (256 vectors each, y = 0 .. slices - 1). Either each
@@ -530,41 +527,89 @@ __global__ void __launch_bounds__(g8_threads<PROD>(), 1) gemm8_score_kernel(cons
   int64_t lo = 0, hi = 0;   // persistent: this CTA's share of all slices' pairs
   int64_t pre = 0;          // persistent: the pairs of slices before y
   bool idle = false;        // persistent: a CTA of no pairs (W below the CTA count)
-  if (persist) {
-    __shared__ int64_t s_first[2];  // the first slice of the share and the pairs before it
-    using Scan64 = cub::BlockScan<int64_t, kT>;
-    __shared__ typename Scan64::TempStorage scan64;
-    int64_t W = 0, t_first = 0;  // t_first: this thread's slice of the first 256 (not read again below)
-    for (int32_t y0 = 0; y0 < nslices; y0 += kT) {
-      const int32_t yy = y0 + static_cast<int32_t>(threadIdx.x);
-      const int64_t t = yy < nslices ? gemm8_slice_pairs<GATHER>(a, yy) : 0;
-      if (y0 == 0) t_first = t;
-      int64_t incl, tot;
-      Scan64(scan64).InclusiveSum(t, incl, tot);
-      W += tot;
-      __syncthreads();  // scan64 is reused
+  bool second = false;      // persistent: the share goes on into slice y + 1
+  using Scan64 = cub::BlockScan<int64_t, kT>;
+  __shared__ typename Scan64::TempStorage scan64;
+  __shared__ int64_t s_first[3];  // the first slice of the share, the pairs before it and its pairs
+  // this thread's slice of the first kT (persistent; not read again below)
+  const int64_t t_first = persist && static_cast<int32_t>(threadIdx.x) < nslices
+                              ? gemm8_slice_pairs<GATHER>(a, static_cast<int32_t>(threadIdx.x)) : 0;
+  if constexpr (NVFP4)
+    if (threadIdx.x < 256) lut[threadIdx.x] = lut_v;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kStages; ++i) {
+      // every filling thread's copies (expansion), and the block index of the first of them
+      mbar_init(&full[i], (PROD ? 128 : kG8Threads) + 1);
+      mbar_init(&empty[i], kG8Threads);     // every math thread's chains done
     }
-    lo = W * blockIdx.x / gridDim.x;
-    hi = W * (blockIdx.x + 1) / gridDim.x;
-    idle = lo >= hi;  // (no pairs: only the fill below, if any)
-    int64_t carry = 0;
-    for (int32_t y0 = 0; !idle && y0 < nslices; y0 += kT) {
-      const int32_t yy = y0 + static_cast<int32_t>(threadIdx.x);
-      const int64_t t = y0 == 0 ? t_first : yy < nslices ? gemm8_slice_pairs<GATHER>(a, yy) : 0;
-      int64_t excl, tot;
-      Scan64(scan64).ExclusiveSum(t, excl, tot);
-      if (t > 0 && carry + excl <= lo && lo < carry + excl + t) {  // the one slice holding pair lo
+    mbar_init(&turn[0], kG8Threads / 2);  // the threads of one warpgroup
+    mbar_init(&turn[1], kG8Threads / 2);
+    mbar_fence_init();
+  }
+  __syncthreads();
+
+  if (persist) {
+    // the slice holding pair lo: the thread of slice yy with pairs t and excl before it
+    auto find = [&](int32_t yy, int64_t t, int64_t before) {
+      if (t > 0 && before <= lo && lo < before + t) {
         s_first[0] = yy;
-        s_first[1] = carry + excl;
+        s_first[1] = before;
+        s_first[2] = t;
       }
-      carry += tot;
-      __syncthreads();  // scan64 is reused; s_first is written
-      if (carry > lo) break;
+    };
+    int64_t W = 0;
+    if (nslices <= kT) {  // one scan: each slice is one thread's (the usual case: 64 slices at 8,192 rows and 2 heads)
+      int64_t excl;
+      Scan64(scan64).ExclusiveSum(t_first, excl, W);
+      lo = W * blockIdx.x / gridDim.x;
+      hi = W * (blockIdx.x + 1) / gridDim.x;
+      idle = lo >= hi;  // (no pairs: only the fill below, if any)
+      if (!idle) find(static_cast<int32_t>(threadIdx.x), t_first, excl);
+      __syncthreads();  // s_first is written
+    } else {
+      for (int32_t y0 = 0; y0 < nslices; y0 += kT) {
+        const int32_t yy = y0 + static_cast<int32_t>(threadIdx.x);
+        const int64_t t = y0 == 0 ? t_first : yy < nslices ? gemm8_slice_pairs<GATHER>(a, yy) : 0;
+        int64_t incl, tot;
+        Scan64(scan64).InclusiveSum(t, incl, tot);
+        W += tot;
+        __syncthreads();  // scan64 is reused
+      }
+      lo = W * blockIdx.x / gridDim.x;
+      hi = W * (blockIdx.x + 1) / gridDim.x;
+      idle = lo >= hi;
+      int64_t carry = 0;
+      for (int32_t y0 = 0; !idle && y0 < nslices; y0 += kT) {
+        const int32_t yy = y0 + static_cast<int32_t>(threadIdx.x);
+        const int64_t t = y0 == 0 ? t_first : yy < nslices ? gemm8_slice_pairs<GATHER>(a, yy) : 0;
+        int64_t excl, tot;
+        Scan64(scan64).ExclusiveSum(t, excl, tot);
+        find(yy, t, carry + excl);
+        carry += tot;
+        __syncthreads();  // scan64 is reused; s_first is written
+        if (carry > lo) break;
+      }
     }
     if (!idle) {
       y = static_cast<int32_t>(s_first[0]);
       pre = s_first[1];
+      second = pre + s_first[2] < hi && y + 1 < nslices;
     }
+  }
+
+  // PROD: the plans (plan_block) of the CTA's first segment and, where the share goes on into the
+  // next slice and both fit the table (a.g8_plan_ahead), of its second, computed here by the whole
+  // CTA, so that at the switch between them neither role waits for the other: the producer fills
+  // the next slice's stages while the math warpgroups finish the last blocks of this one
+  // (bench/NOTES.md v31). Later segments (and every segment of the forms without a producer, where
+  // the same threads fill and multiply) compute theirs at a CTA barrier, where the ring drains.
+  __shared__ int32_t s_npre;  // the segments whose plan is ready: splan, then splan + kPlanHalf
+  if (PROD && a.plan_local && !idle) {
+    const Slice s0 = gemm8_slice(a, y);
+    const bool two = second && a.g8_plan_ahead && B + 1 <= kPlanHalf;
+    if (threadIdx.x == 0) s_npre = two ? 2 : 1;  // (read after plan_block's closing barrier)
+    if (two) plan_block2<GATHER, kT>(a, s0, gemm8_slice(a, y + 1), splan, splan + kPlanHalf, scan64);
+    else plan_block<GATHER, kT>(a, s0, splan, scan_tmp);
   }
 
   // The rest runs as one role: `producer` true for the producer warpgroup (PROD), false for the
@@ -576,9 +621,10 @@ __global__ void __launch_bounds__(g8_threads<PROD>(), 1) gemm8_score_kernel(cons
     constexpr bool producer = decltype(role)::value;
     // prefill_scores' -Inf where no scorer writes (ScoreLaunch::fill_unscored), shared by the math
     // warps of every CTA of the grid, idle ones included: no scorer store touches those entries
-    // (rows.cuh), so there is nothing to order. At the start: the producer waits for it at the
-    // first segment's plan barrier (about a microsecond); placed after that plan, it made ptxas
-    // spill in three instances (bench/NOTES.md v28). (Before the role split it made ptxas spill.)
+    // (rows.cuh), so there is nothing to order. At the start: with a producer (its first plans made
+    // in the prologue) the producer fills the first stages meanwhile; placed after the in-loop plan
+    // it made ptxas spill in three instances (bench/NOTES.md v28). (Before the role split it made
+    // ptxas spill.)
     if (!producer && a.fill_unscored) {
       constexpr int64_t wpc = kG8Threads / 32;
       const int64_t cta = static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x;
@@ -609,12 +655,19 @@ __global__ void __launch_bounds__(g8_threads<PROD>(), 1) gemm8_score_kernel(cons
 
     for (;;) {  // the segments: one (non-persistent), or the slices of the share
       const int32_t n0 = y * kG8Vectors;
-      const Slice sl = a.plan_local ? Slice{n0, (n0 + kG8Vectors - 1) / a.nh} : Slice{};
+      const Slice sl = a.plan_local ? gemm8_slice(a, y) : Slice{};
       const int32_t* plan = a.plan;
       if (a.plan_local) {
-        __syncthreads();  // the previous segment's reads of splan are done
-        plan_block<GATHER, kT>(a, sl, splan, scan_tmp);
-        plan = splan;
+        // the segment's index in the share (from shared memory: a register kept over the loop made
+        // ptxas spill in two instances)
+        const int32_t seg = persist ? y - static_cast<int32_t>(s_first[0]) : 0;
+        if (PROD && seg < s_npre) {  // computed before the roles split
+          plan = seg == 0 ? splan : splan + kPlanHalf;
+        } else {
+          __syncthreads();  // the previous segments' reads of splan are done
+          plan_block<GATHER, kT>(a, sl, splan, scan_tmp);
+          plan = splan;
+        }
       }
       const int64_t total = plan[B];
       int64_t p0, p1;

@@ -17,6 +17,7 @@ namespace {
 constexpr int kBuf = 2;         // half-stage buffers per warp
 constexpr int kHalfRows = 64;   // rows per half-stage; a work item ("pair") is 2 halves
 constexpr int kPlanLocal = 2048;  // requests up to which each CTA computes the plan itself
+constexpr int kPlanHalf = (kPlanLocal + 2) / 2;  // gemm8: a second plan at table + kPlanHalf (requests + 1 <= kPlanHalf)
 constexpr int kModeE4m3 = 0, kModeExact = 1, kModeFp8 = 2;
 // Warps per CTA and CTAs per multiprocessor (experiment knobs, bench/NOTES.md "Knobs"; a multiple
 // of 4 warps, for the wgmma warpgroups). FP8 keeps 8 warps and a cap of 2 CTAs (its stage rings
@@ -62,6 +63,7 @@ struct ScoreArgs {
   uint64_t wg_desc_bits;  // the fixed fields of the wgmma B descriptor (wg_desc_fixed_bits())
   int32_t g8_slices;      // gemm8_score_kernel: > 0, the query slices of its persistent grid; 0: grid y = slices
   int32_t fill_unscored;  // gemm8_score_kernel: 1 = the -Inf of ScoreLaunch::fill_unscored in its prologue
+  int32_t g8_plan_ahead;  // gemm8_score_kernel, persistent: 1 = a share's second segment planned in the prologue
 };
 
 struct ReqInfo {
@@ -230,6 +232,38 @@ __device__ __forceinline__ void plan_block(const ScoreArgs& a, const Slice& sl, 
     __syncthreads();  // tmp is reused
   }
   if (threadIdx.x == 0) plan[0] = 0;
+  __syncthreads();
+}
+
+// The plans of two slices at once (plan0 for sl0, plan1 for sl1), in one scan of both counts
+// packed in 64 bits (every prefix of either fits 31 bits, as plan_block's int32 entries assume).
+// The same calling rules as plan_block.
+template <bool GATHER, int THREADS>
+__device__ __forceinline__ void plan_block2(const ScoreArgs& a, const Slice& sl0, const Slice& sl1, int32_t* plan0,
+                                            int32_t* plan1, typename cub::BlockScan<int64_t, THREADS>::TempStorage& tmp) {
+  int64_t carry = 0;
+  for (int32_t base = 0; base < a.rows.num_requests; base += THREADS) {
+    const int32_t b = base + static_cast<int32_t>(threadIdx.x);
+    int64_t v = 0;
+    if (b < a.rows.num_requests) {
+      const int64_t c0 = num_pairs<GATHER>(a, request_info(a, b, sl0));
+      const int64_t c1 = num_pairs<GATHER>(a, request_info(a, b, sl1));
+      v = (c0 << 32) + c1;
+    }
+    int64_t incl, total;
+    cub::BlockScan<int64_t, THREADS>(tmp).InclusiveSum(v, incl, total);
+    if (b < a.rows.num_requests) {
+      const int64_t x = carry + incl;
+      plan0[b + 1] = static_cast<int32_t>(x >> 32);
+      plan1[b + 1] = static_cast<int32_t>(x & 0xffffffffll);
+    }
+    carry += total;
+    __syncthreads();  // tmp is reused
+  }
+  if (threadIdx.x == 0) {
+    plan0[0] = 0;
+    plan1[0] = 0;
+  }
   __syncthreads();
 }
 
