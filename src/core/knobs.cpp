@@ -72,10 +72,11 @@ const std::vector<Knob>& knob_table() {
        "slice (INDEXCP_SCORE_CTAS of them, or enough for whole waves); unset or another value: 1 (an experiment knob, "
        "bench/NOTES.md)."},
       {"INDEXCP_SCORE_G8_PLAN_AHEAD", K::kEnv, "1", "library (CUDA)",
-       "0 or 1. 1: each CTA of the persistent GEMM-shaped scorer plans the second query slice of its share in its "
-       "prologue, so that at the switch its producer warpgroup fills that slice's stages while the math warpgroups "
-       "finish the first; 0: every segment's plan waits at a CTA barrier, where the ring drains; unset or another "
-       "value: 1. The same bits either way (an experiment knob, bench/NOTES.md v31)."},
+       "0 or 1. 1: each CTA of the persistent GEMM-shaped scorer's producer form (fp8_mma; batches of up to 1,024 "
+       "requests) whose share crosses into a second query slice plans that slice in its prologue, so that at the "
+       "switch its producer warpgroup fills that slice's stages while the math warpgroups finish the first; 0: that "
+       "plan waits at a CTA barrier, where the ring drains (as every later slice's does); unset or another value: 1. "
+       "The same bits either way (an experiment knob, bench/NOTES.md v31)."},
       {"INDEXCP_SCORE_DEBUG", K::kEnv, "0", "library (CUDA)", "debug bits of the scorer kernel (development only)."},
       // ---- a rank of a multi-process group (set by indexcp launch; docs/multi-process.md)
       {"INDEXCP_WORLD", K::kEnv, "", "launcher -> rank",

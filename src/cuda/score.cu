@@ -681,8 +681,8 @@ void launch_score(const ScoreLaunch& s, cudaStream_t stream) {
   // and more than 128 query vectors per request (it holds 256 per CTA; INDEXCP_SCORE_MAX_NT below
   // 16 keeps the tiles): the fp8_mma form ("gemm8") or the fp32 form ("gemm16")
   const bool gemm = nt == kMaxNt && nvec_max > kMaxNt * 8 && (s.keys.gather || R >= kBlockTokens) && mode != kModeExact;
-  // the -Inf fill (ScoreLaunch::fill_unscored): in the GEMM-shaped scorer's math warps at their
-  // start (before the first segment's plan; gemm8.cuh), otherwise by its own kernel first
+  // the -Inf fill (ScoreLaunch::fill_unscored): in the GEMM-shaped scorer's math warps at their start
+  // (the producer form: after the prologue's plans; else before the first plan; gemm8.cuh), or its own kernel
   if (gemm && gemm8_enabled(m8)) a.fill_unscored = s.fill_unscored ? 1 : 0;
   else fill_first();
   if (gemm && m8 && gemm8_enabled(true)) {

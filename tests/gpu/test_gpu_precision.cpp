@@ -364,7 +364,7 @@ TEST(GpuFp8Mma, GemmScorerEqualsTheTileScorer) {
           for (const char* persist : {"", "0"})
           for (const char* ahead : {"", "0"}) {
             if ((neg || c.nreq == 1) && (*plan || *ctas || *persist || *ahead)) continue;  // the default launch only
-            if (*ahead && (*plan || *persist)) continue;  // (the plan ahead is the persistent in-CTA plan's)
+            if (*ahead && (*plan || *persist || prec != kF8)) continue;  // (the persistent in-CTA plan's, fp8_mma's producer form)
             const int32_t h0 = c.h0, nh = c.nh;
             PrefillBatch batch = d.b;
             batch.num_requests = c.nreq;
@@ -417,6 +417,70 @@ TEST(GpuFp8Mma, GemmScorerEqualsTheTileScorer) {
               EXPECT_GT(scored, c.nreq == 1 ? 100 : 1000) << where << " run " << run;
             }
           }
+  }
+}
+
+// The persistent GEMM-shaped scorer's plans at the sizes GemmScorerEqualsTheTileScorer does not
+// reach (fp8_mma, NVFP4 P128, the producer form, 2 of 4 heads): batches of 385 and 1,024 requests
+// (the prologue's plan of two slices at once, plan_block2, in 2 and 3 passes of the CTA's 384
+// threads; 1,024 is the most whose second plan fits the table), 1,025 (no second plan: the barrier
+// at the second segment), each request 130 rows (260 vectors: a share of the grid crosses from
+// slice 0 into slice 1, and at 1 CTA one share takes both), and one request of 49,200 rows (385
+// slices: the share is found in more than one scan of the CTA's threads). Each run (the default
+// grid, 1 CTA, and INDEXCP_SCORE_G8_PLAN_AHEAD=0) gives the tile scorer's bits for every entry.
+TEST(GpuFp8Mma, GemmScorerPlansManyRequestsAndSlices) {
+  REQUIRE_GPU();
+  if (!gemm_scorer_here()) GTEST_SKIP() << "the GEMM-shaped scorer needs compute capability 9.0 and sm_90a code";
+  const int32_t P = 128, h0 = 1, nh = 2, heads = 4;
+  struct Case {
+    int32_t nreq, rows, seq;
+  };
+  for (const Case c : {Case{385, 130, 200}, Case{1024, 130, 200}, Case{1025, 130, 200}, Case{1, 49200, 49200}}) {
+    std::vector<int32_t> lens(static_cast<size_t>(c.nreq), c.seq);
+    const Requests req = make_requests(lens, P, 7u + static_cast<uint32_t>(c.nreq));
+    std::vector<float> keys;
+    std::vector<int64_t> slots;
+    make_keys(req, 8u + static_cast<uint32_t>(c.nreq), keys, slots);
+    auto dev = device_shards(KvDtype::kNvfp4, req, 1, keys, slots);
+    std::vector<int32_t> qs(static_cast<size_t>(c.nreq) + 1);
+    for (int32_t b = 0; b <= c.nreq; ++b) qs[static_cast<size_t>(b)] = b * c.rows;  // each request's last rows
+    const int64_t nrows = qs.back();
+    DevArr<uint8_t> q(make_q(nrows, heads, 9u + static_cast<uint32_t>(c.nreq)));
+    DevArr<int32_t> bt(req.block_table), sl(req.seq_lens), dqs(qs);
+    PrefillBatch batch;
+    batch.q = q.get();
+    batch.heads = heads;
+    batch.block_table = bt.get();
+    batch.num_requests = c.nreq;
+    batch.max_pages = req.max_pages;
+    batch.seq_lens = sl.get();
+    batch.query_start = dqs.get();
+    const int64_t mb = static_cast<int64_t>(req.max_pages) * P / 128;
+    DevArr<float> out(static_cast<size_t>(nrows) * nh * mb);
+    ScopedEnv gemm_env("INDEXCP_SCORE_GEMM8"), ctas_env("INDEXCP_SCORE_CTAS"), ahead_env("INDEXCP_SCORE_G8_PLAN_AHEAD");
+    auto run = [&](const char* gemm, const char* ctas, const char* ahead) {
+      gemm_env.set(gemm);
+      ctas_env.set(ctas);
+      ahead_env.set(ahead);
+      out.fill_bytes(0x7f);
+      cuda::prefill_scores(dev[0], 0, batch, nrows, c.rows, h0, nh, out.get(), nullptr, kF8);
+      const std::string ran = cuda::detail::last_score_kernel();
+      const cudaError_t e = cudaDeviceSynchronize();
+      EXPECT_EQ(e, cudaSuccess) << cudaGetErrorString(e);
+      EXPECT_EQ(ran, std::strcmp(gemm, "0") == 0 ? "tiles" : "gemm8p") << c.nreq << " requests";
+      return bits_of(out.host());
+    };
+    const std::vector<uint32_t> tiles = run("0", "", "");
+    int64_t scored = 0;
+    for (const uint32_t x : tiles) scored += x != 0xff800000u && x != 0x7f7f7f7fu;  // neither -inf nor unwritten
+    EXPECT_GT(scored, static_cast<int64_t>(c.nreq) * 100) << c.nreq << " requests";
+    for (const auto& [ctas, ahead] : std::vector<std::pair<const char*, const char*>>{{"", ""}, {"1", ""}, {"", "0"}, {"1", "0"}}) {
+      const std::vector<uint32_t> got = run("", ctas, ahead);
+      int64_t differ = 0;
+      for (size_t i = 0; i < got.size(); ++i) differ += got[i] != tiles[i];
+      EXPECT_EQ(differ, 0) << c.nreq << " requests of " << c.rows << " rows, ctas '" << ctas << "' plan ahead '" << ahead
+                           << "': the GEMM-shaped scorer differs from the tile scorer";
+    }
   }
 }
 

@@ -54,9 +54,10 @@
 // roles split right after the persistent prologue, each with its own setmaxnreg (kProdRegs,
 // kMathRegs) and its own copy of the code (ptxas ignores setmaxnreg for code both roles reach).
 // The producer may fill all kStages stages ahead; its leader (thread 256) writes a stage's block
-// index. The first two segments of a persistent share are planned before the roles split (the
-// prologue), so the producer goes on into the second slice's stages while the math warpgroups
-// finish the first. Both roles meet at the CTA barriers of any later segment's plan (plan_block),
+// index. The first segment is planned before the roles split (the prologue), and so is the second
+// where a persistent share crosses into a second slice (INDEXCP_SCORE_G8_PLAN_AHEAD, batches of up to
+// 1,024 requests), so the producer goes on into that slice's stages while the math warpgroups finish
+// the first. Both roles meet at the CTA barriers of any later segment's plan (plan_block),
 // each at its own copy of the bar.sync: every warp belongs to one role and both roles reach the
 // same barriers in the same order (the loops' bounds come from the plan alone), the pattern of
 // warp-specialized kernels; the ring drains there (the producer waits).

@@ -63,7 +63,8 @@ struct ScoreArgs {
   uint64_t wg_desc_bits;  // the fixed fields of the wgmma B descriptor (wg_desc_fixed_bits())
   int32_t g8_slices;      // gemm8_score_kernel: > 0, the query slices of its persistent grid; 0: grid y = slices
   int32_t fill_unscored;  // gemm8_score_kernel: 1 = the -Inf of ScoreLaunch::fill_unscored in its prologue
-  int32_t g8_plan_ahead;  // gemm8_score_kernel, persistent: 1 = a share's second segment planned in the prologue
+  int32_t g8_plan_ahead;  // gemm8_score_kernel, persistent producer form: 1 = a share's second segment planned in
+                          // the prologue (batches of up to 1,024 requests: kPlanHalf)
 };
 
 struct ReqInfo {
