@@ -431,31 +431,22 @@ TEST(GpuFp8Mma, GemmScorerEqualsTheTileScorer) {
 TEST(GpuFp8Mma, GemmScorerPlansManyRequestsAndSlices) {
   REQUIRE_GPU();
   if (!gemm_scorer_here()) GTEST_SKIP() << "the GEMM-shaped scorer needs compute capability 9.0 and sm_90a code";
-  const int32_t P = 128, h0 = 1, nh = 2, heads = 4;
+  const int32_t P = 128, h0 = 1, nh = 2;  // (of the scene's 4 heads)
   struct Case {
     int32_t nreq, rows, seq;
   };
   for (const Case c : {Case{385, 130, 200}, Case{1024, 130, 200}, Case{1025, 130, 200}, Case{1, 49200, 49200}}) {
-    std::vector<int32_t> lens(static_cast<size_t>(c.nreq), c.seq);
-    const Requests req = make_requests(lens, P, 7u + static_cast<uint32_t>(c.nreq));
-    std::vector<float> keys;
-    std::vector<int64_t> slots;
-    make_keys(req, 8u + static_cast<uint32_t>(c.nreq), keys, slots);
-    auto dev = device_shards(KvDtype::kNvfp4, req, 1, keys, slots);
-    std::vector<int32_t> qs(static_cast<size_t>(c.nreq) + 1);
-    for (int32_t b = 0; b <= c.nreq; ++b) qs[static_cast<size_t>(b)] = b * c.rows;  // each request's last rows
-    const int64_t nrows = qs.back();
-    DevArr<uint8_t> q(make_q(nrows, heads, 9u + static_cast<uint32_t>(c.nreq)));
-    DevArr<int32_t> bt(req.block_table), sl(req.seq_lens), dqs(qs);
-    PrefillBatch batch;
-    batch.q = q.get();
-    batch.heads = heads;
-    batch.block_table = bt.get();
-    batch.num_requests = c.nreq;
-    batch.max_pages = req.max_pages;
-    batch.seq_lens = sl.get();
-    batch.query_start = dqs.get();
-    const int64_t mb = static_cast<int64_t>(req.max_pages) * P / 128;
+    PrefillScene s;
+    s.req = make_requests(std::vector<int32_t>(static_cast<size_t>(c.nreq), c.seq), P, 7u + static_cast<uint32_t>(c.nreq));
+    make_keys(s.req, 8u + static_cast<uint32_t>(c.nreq), s.keys, s.slots);
+    auto dev = device_shards(KvDtype::kNvfp4, s.req, 1, s.keys, s.slots);
+    s.qs.resize(static_cast<size_t>(c.nreq) + 1);
+    for (int32_t b = 0; b <= c.nreq; ++b) s.qs[static_cast<size_t>(b)] = b * c.rows;  // each request's last rows
+    const int64_t nrows = s.qs.back();
+    s.q = make_q(nrows, s.heads, 9u + static_cast<uint32_t>(c.nreq));
+    const DevPrefill d(s);
+    const PrefillBatch& batch = d.b;
+    const int64_t mb = static_cast<int64_t>(s.req.max_pages) * P / 128;
     DevArr<float> out(static_cast<size_t>(nrows) * nh * mb);
     ScopedEnv gemm_env("INDEXCP_SCORE_GEMM8"), ctas_env("INDEXCP_SCORE_CTAS"), ahead_env("INDEXCP_SCORE_G8_PLAN_AHEAD");
     auto run = [&](const char* gemm, const char* ctas, const char* ahead) {
