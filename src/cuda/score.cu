@@ -473,23 +473,22 @@ unsigned gemm8_grid_x(int per_sm, unsigned gy) {
   return static_cast<unsigned>(gx);
 }
 
-// An on/off experiment knob that is on unless set to "0".
-bool knob_on(const char* name) {
-  const char* e = ::indexcp::detail::knob_env(name);
-  return !(e != nullptr && std::strcmp(e, "0") == 0);
-}
-
 // The persistent grid of the GEMM-shaped scorer (INDEXCP_SCORE_G8_PERSISTENT, 1 by default): one
 // CTA per multiprocessor, each taking an equal share of all slices' pairs. Only with the in-CTA plan
 // and where each CTA's count of every slice's pairs stays small (slices x requests <= 65,536).
 bool gemm8_persistent(const ScoreArgs& a, int64_t gy) {
-  return a.plan_local && gy * a.rows.num_requests <= 65536 && knob_on("INDEXCP_SCORE_G8_PERSISTENT");
+  if (!a.plan_local || gy * a.rows.num_requests > 65536) return false;
+  const char* e = ::indexcp::detail::knob_env("INDEXCP_SCORE_G8_PERSISTENT");
+  return !(e && std::strcmp(e, "0") == 0);
 }
 
 // Whether the persistent GEMM-shaped scorer plans a share's second segment in its prologue, so that
 // neither role waits for the other at the switch (INDEXCP_SCORE_G8_PLAN_AHEAD, 1 by default; the
 // same bits either way: bench/NOTES.md v31).
-bool gemm8_plan_ahead() { return knob_on("INDEXCP_SCORE_G8_PLAN_AHEAD"); }
+bool gemm8_plan_ahead() {
+  const char* e = ::indexcp::detail::knob_env("INDEXCP_SCORE_G8_PLAN_AHEAD");
+  return !(e && std::strcmp(e, "0") == 0);
+}
 
 template <bool GATHER, bool NVFP4, bool F16, bool PROD = false>
 void launch_gemm8(const ScoreArgs& a0, int64_t nvec_max, cudaStream_t stream) {
@@ -523,7 +522,10 @@ void launch_gemm8(const ScoreArgs& a0, int64_t nvec_max, cudaStream_t stream) {
 // Whether the fp8_mma form of the GEMM-shaped scorer runs with its producer warpgroup (score/gemm8.cuh,
 // G8Form; the default, INDEXCP_SCORE_G8_PRODUCER=0 keeps the two-warpgroup form): the same bits
 // either way (bench/NOTES.md v25).
-bool gemm8_producer() { return knob_on("INDEXCP_SCORE_G8_PRODUCER"); }
+bool gemm8_producer() {
+  const char* e = ::indexcp::detail::knob_env("INDEXCP_SCORE_G8_PRODUCER");
+  return !(e != nullptr && std::strcmp(e, "0") == 0);
+}
 
 // Whether the GEMM-shaped scorer takes the E4M3 keys of a launch in its mode (m8: fp8_mma). fp8_mma:
 // unless INDEXCP_SCORE_GEMM8 is 0; fp32: unless INDEXCP_SCORE_GEMM16 is 0 (bench/NOTES.md v20,
