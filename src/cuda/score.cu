@@ -11,7 +11,8 @@
 // Arithmetic: keys are expanded on the CUDA cores to fp16 and multiplied by the E4M3 queries
 // (exact in fp16) on the tensor cores with mma.sync.m16n8k16 (fp32 accumulation), or, for 16 to
 // 128 query vectors per CTA (NT = 2 .. 16; 64 and 128 are the prefill's wide tiles, one CTA per
-// multiprocessor) in the sm_90a code, with wgmma.m64nNk16, N = 8 NT (A =
+// multiprocessor; NVFP4 stock pages from 32, NT = 4: INDEXCP_SCORE_WGMMA_MIN_NT_STOCK) in the sm_90a
+// code, with wgmma.m64nNk16, N = 8 NT (A =
 // the same fragments from registers, B = the query vectors in shared memory). A thread of a
 // quad holds 32 consecutive dimensions of its two rows; the k order of the MMA is a fixed
 // permutation of the 128 dimensions (score/form.hpp, the dot-product form, tested on the CPU),
@@ -64,7 +65,9 @@ namespace {
 template <int MODE, int NT, bool STOCK, bool GATHER, bool M8>
 __global__ void __launch_bounds__(warps_of<MODE>() * 32, minb_of<MODE, NT>()) score_kernel(const ScoreArgs a) {
   constexpr int kWarps = warps_of<MODE>(), kThreads = kWarps * 32;
-  constexpr bool WG = M8 ? static_cast<bool>(INDEXCP_HAVE_WGMMA) : kWgmmaTiles<NT>;
+  // (NVFP4 stock tiles of NT = 2 by mma.sync: INDEXCP_SCORE_WGMMA_MIN_NT_STOCK; FP8 keys keep wgmma,
+  // 0.5-1% faster there: bench/NOTES.md v32)
+  constexpr bool WG = M8 ? static_cast<bool>(INDEXCP_HAVE_WGMMA) : kWgmmaTiles<NT, STOCK && MODE != kModeFp8>;
   extern __shared__ __align__(128) unsigned char smem[];
   constexpr int HALF = half_bytes<MODE>();
   constexpr int ROWB = MODE == kModeFp8 ? kHeadDim : kNvfp4DataBytesPerKey;

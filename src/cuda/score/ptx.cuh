@@ -89,6 +89,11 @@ __device__ __forceinline__ __half2 bits_h2(uint32_t u) { return *reinterpret_cas
 #ifndef INDEXCP_SCORE_WGMMA_MIN_NT
 #define INDEXCP_SCORE_WGMMA_MIN_NT 2
 #endif
+// The same for the tiles of NVFP4 stock pages (the replicated decode): NT = 2 by mma.sync, whose
+// arithmetic took 4% less time than wgmma's on an H100, and the exact rounding's decode 5% (bench/NOTES.md v32)
+#ifndef INDEXCP_SCORE_WGMMA_MIN_NT_STOCK
+#define INDEXCP_SCORE_WGMMA_MIN_NT_STOCK 4
+#endif
 // The shared-memory matrix descriptor of B (PTX ISA, "Matrix Descriptor Format"): start address,
 // LBO and SBO in units of 16 bytes (bits 0-13, 16-29, 32-45), base offset 0, no swizzle. The
 // fixed fields travel in the launch arguments: as a compile-time constant ptxas rebuilt the 8

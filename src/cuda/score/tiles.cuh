@@ -298,9 +298,12 @@ __host__ __device__ constexpr int wg_b_index(int s, int n, int half, int t4) {
   return s * NT * 64 + (n >> 3) * 64 + half * 32 + (n & 7) * 4 + t4;
 }
 
-template <int NT>
+// Whether the fp16 form's tiles of width NT use wgmma (else mma.sync: the same bits, since both
+// compute each 16-product k-step alike); STOCK: the tiles of an NVFP4 stock page (score_kernel)
+template <int NT, bool STOCK = false>
 inline constexpr bool kWgmmaTiles =
-    (NT >= INDEXCP_SCORE_WGMMA_MIN_NT || INDEXCP_SCORE_WGMMA_NT1) && INDEXCP_HAVE_WGMMA;
+    (NT >= (STOCK ? INDEXCP_SCORE_WGMMA_MIN_NT_STOCK : INDEXCP_SCORE_WGMMA_MIN_NT) || INDEXCP_SCORE_WGMMA_NT1) &&
+    INDEXCP_HAVE_WGMMA;
 
 // One tile with wgmma. Every warp of the warpgroup calls it the same number of times (valid =
 // false: a placeholder tile whose product is discarded, so that the warpgroup stays in step).
