@@ -195,12 +195,14 @@ const std::vector<Knob>& knob_table() {
        "0 drops the turn barriers between the two math warpgroups in the rotated loop of INDEXCP_SCORE_G8_ROTATED "
        "(an experiment knob, 1-2% slower: bench/NOTES.md v27)."},
       {"INDEXCP_SCORE_WGMMA", K::kMacro, "1", "build", "0 builds the scorer without wgmma (mma.sync only)."},
-      {"INDEXCP_SCORE_WGMMA_MIN_NT", K::kMacro, "2", "build", "the smallest tile width NT (8-vector groups) that uses wgmma."},
+      {"INDEXCP_SCORE_WGMMA_MIN_NT", K::kMacro, "2", "build",
+       "the smallest tile width NT (8-vector groups) that uses wgmma, except on NVFP4 stock pages "
+       "(INDEXCP_SCORE_WGMMA_MIN_NT_STOCK)."},
       {"INDEXCP_SCORE_WGMMA_MIN_NT_STOCK", K::kMacro, "4", "build",
-       "the same for the tiles of NVFP4 stock pages (the replicated decode): 4 multiplies 16 query vectors by "
-       "mma.sync (the same bits; on an H100 4% less arithmetic time, the exact rounding's decode 5% faster; FP8 keys "
-       "keep INDEXCP_SCORE_WGMMA_MIN_NT: bench/NOTES.md v32)."},
-      {"INDEXCP_SCORE_WGMMA_NT1", K::kMacro, "0", "build", "1 lets NT = 1 tiles use wgmma too (this and INDEXCP_SCORE_WGMMA_MIN_NT do not apply to "
+       "the same for the fp32 mode's tiles of NVFP4 stock pages (the replicated decode among them): 4 multiplies 16 "
+       "query vectors by mma.sync (the same bits; on an H100 4% less arithmetic time, the exact rounding's decode 4-5% "
+       "faster; FP8 keys keep INDEXCP_SCORE_WGMMA_MIN_NT: bench/NOTES.md v32)."},
+      {"INDEXCP_SCORE_WGMMA_NT1", K::kMacro, "0", "build", "1 lets NT = 1 tiles use wgmma too (this and INDEXCP_SCORE_WGMMA_MIN_NT(_STOCK) do not apply to "
                                                               "indexer_score_precision \"fp8_mma\", which uses wgmma at every width)."},
       {"INDEXCP_AB_NO_STEP_SIGNATURE", K::kMacro, "undefined", "build",
        "defined: the decode plans exchange no step signature (an A/B build of bench/NOTES.md only; ranks that "

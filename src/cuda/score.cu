@@ -19,7 +19,8 @@
 // the same in every scorer of this backend, so a (query,
 // head, token) dot product has the same bits wherever it is computed: mma.sync and wgmma compute
 // each 16-product step alike (tests/gpu/test_gpu_decode.cpp, All/GpuHeadWidth.*, compares every
-// score of a head scored alone (mma.sync), in a pair and with all four heads (wgmma) bit for bit).
+// score of a head scored alone (mma.sync), in a pair (wgmma; mma.sync on NVFP4 stock pages) and
+// with all four heads (wgmma) bit for bit).
 //   - NVFP4, E4M3 rounding: k_hat = e4m3(|e2m1| * |scale|) from a 256 x 8 byte table (one entry
 //     per scale byte, built on the host with formats.hpp, the scale's sign in each byte's top
 //     bit), looked up with prmt, the code's sign XORed in; the signed E4M3 bytes become fp16 pairs

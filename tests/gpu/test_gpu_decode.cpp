@@ -464,7 +464,7 @@ TEST(GpuIcp, ChunkTableWindowsRollOverInLongRequests) {
 // A head's scores must not depend on which heads share its launch. The scorer takes 8 to 128
 // query vectors per CTA (Q x the heads scored: 8, 16, 32 with Q = 8 and 4 heads; 16 .. 128 with
 // Q = 16 and 8 heads), and the sm_90a code multiplies 8 with mma.sync and 16 to 128 with wgmma
-// m64n16 .. m64n128 (src/cuda/score.cu), so this pins that all
+// m64n16 .. m64n128 (src/cuda/score.cu; 16 on NVFP4 stock pages with mma.sync), so this pins that all
 // of them compute every 16-product step to the same bits: sharded == replicated depends on it wherever the ranks of a configuration score different
 // head counts (replicated TP4 ranks score 1 head of Q = 8, ICP ranks all 4). Random data, so
 // nearly every fp32 addition rounds; every score (and every -Inf) is compared bit for bit, on
@@ -529,7 +529,8 @@ INSTANTIATE_TEST_SUITE_P(All, GpuHeadWidth,
 // other software may hold them): every scorer must treat the scale as the signed E4M3 value it
 // is, like the CPU. Each shard flips the same logical (token, group) scales, so ICP must still
 // equal replicated bit for bit. Scores: H = 1 / 2 / 4 with Q = 8 are 8 / 16 / 32 query vectors per
-// CTA (8: the mma.sync tile; 16, 32: the wgmma tiles on sm_90a; with E4M3 rounding every one takes
+// CTA (8: the mma.sync tile; 16, 32: the wgmma tiles on sm_90a, 16 by mma.sync on the replicated
+// (stock) pages; with E4M3 rounding every one takes
 // the scale's sign from the k_hat table, form.hpp, with exact rounding from the decoded scale);
 // the replicated step at W = 2 with H = 2 scores 8 vectors
 // per rank, checked through its selections. P128 with W = 2, 4 takes the general scorer with 1

@@ -70,11 +70,12 @@ __device__ __forceinline__ uint32_t h2_bits(__half2 h) { return *reinterpret_cas
 __device__ __forceinline__ __half2 bits_h2(uint32_t u) { return *reinterpret_cast<__half2*>(&u); }
 
 // wgmma exists in the sm_90a code only (the compute_90 PTX of the build, JIT-compiled for newer
-// GPUs, keeps mma.sync). It serves NT = 2 to 16 (16 to 128 query vectors per CTA): one
-// instruction per k-step instead of NT HMMA (and, for NT = 4, 2 shared loads of B fragments), at
-// the price of keeping the 4 warps of a warpgroup in step. Same-session A/B (bench/NOTES.md, v8):
-// NT = 4 -6%, NT = 2 -1%, NT = 1 +6% (so NT = 1 keeps mma.sync). -DINDEXCP_SCORE_WGMMA=0 builds
-// without it.
+// GPUs, keeps mma.sync). It serves NT = 2 to 16 (16 to 128 query vectors per CTA; NVFP4 stock
+// pages from NT = 4: INDEXCP_SCORE_WGMMA_MIN_NT_STOCK below): one instruction per k-step instead of
+// NT HMMA (and, for NT = 4, 2 shared loads of B fragments), at the price of keeping the 4 warps of
+// a warpgroup in step. Same-session A/B (bench/NOTES.md, v8): NT = 4 -6%, NT = 2 -1%, NT = 1 +6%
+// (so NT = 1 keeps mma.sync); v32 measured NT = 2 again on NVFP4 stock pages. -DINDEXCP_SCORE_WGMMA=0
+// builds without it.
 #ifndef INDEXCP_SCORE_WGMMA
 #define INDEXCP_SCORE_WGMMA 1
 #endif
@@ -89,8 +90,9 @@ __device__ __forceinline__ __half2 bits_h2(uint32_t u) { return *reinterpret_cas
 #ifndef INDEXCP_SCORE_WGMMA_MIN_NT
 #define INDEXCP_SCORE_WGMMA_MIN_NT 2
 #endif
-// The same for the tiles of NVFP4 stock pages (the replicated decode): NT = 2 by mma.sync, whose
-// arithmetic took 4% less time than wgmma's on an H100, and the exact rounding's decode 5% (bench/NOTES.md v32)
+// The same for the fp32 form's tiles of NVFP4 stock pages (the replicated decode among them): NT = 2
+// by mma.sync, whose arithmetic took 4% less time than wgmma's on an H100, and the exact rounding's
+// decode 4-5% (bench/NOTES.md v32). Neither this nor INDEXCP_SCORE_WGMMA_MIN_NT applies to fp8_mma.
 #ifndef INDEXCP_SCORE_WGMMA_MIN_NT_STOCK
 #define INDEXCP_SCORE_WGMMA_MIN_NT_STOCK 4
 #endif

@@ -53,8 +53,8 @@ constexpr int score_smem_bytes() {
          (kPlanLocal + 1) * 4;
 }
 
-// B fragments (the query vectors) of k-step s for the mma.sync tiles (NT = 1 in the sm_90a code,
-// every NT in the compute_90 PTX; the wgmma tiles use the wg_b_index layout instead): registers
+// B fragments (the query vectors) of k-step s for the mma.sync tiles (NT = 1 in the sm_90a code, and
+// NT = 2 on NVFP4 stock pages; every NT in the compute_90 PTX; the wgmma tiles use the wg_b_index layout instead): registers
 // (NT <= 2) or shared memory (NT = 4, to stay under 128 registers at 16 warps per multiprocessor). Shared layout: [8 k-steps][NT / NW
 // n-tile groups][32 lanes][NW] uint2 with NW = min(NT, 2) n-tiles per group, so a lane reads the
 // fragments of two n-tiles with one 16-byte load and a warp's load is contiguous (no bank
@@ -302,7 +302,7 @@ __host__ __device__ constexpr int wg_b_index(int s, int n, int half, int t4) {
 // compute each 16-product k-step alike); STOCK: the tiles of an NVFP4 stock page (score_kernel)
 template <int NT, bool STOCK = false>
 inline constexpr bool kWgmmaTiles =
-    (NT >= (STOCK ? INDEXCP_SCORE_WGMMA_MIN_NT_STOCK : INDEXCP_SCORE_WGMMA_MIN_NT) || INDEXCP_SCORE_WGMMA_NT1) &&
+    (NT >= (STOCK ? INDEXCP_SCORE_WGMMA_MIN_NT_STOCK : INDEXCP_SCORE_WGMMA_MIN_NT) || (NT == 1 && INDEXCP_SCORE_WGMMA_NT1)) &&
     INDEXCP_HAVE_WGMMA;
 
 // One tile with wgmma. Every warp of the warpgroup calls it the same number of times (valid =
