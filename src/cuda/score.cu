@@ -477,21 +477,23 @@ unsigned gemm8_grid_x(int per_sm, unsigned gy) {
   return static_cast<unsigned>(gx);
 }
 
+// The value of an on-by-default knob (knob_env's result): on unless it is "0". (Each caller passes
+// its own literal knob_env("NAME") call: tests/test_knobs.cpp finds the knobs a source reads by them.)
+bool on_unless_zero(const char* e) { return !(e != nullptr && std::strcmp(e, "0") == 0); }
+
 // The persistent grid of the GEMM-shaped scorer (INDEXCP_SCORE_G8_PERSISTENT, 1 by default): one
 // CTA per multiprocessor, each taking an equal share of all slices' pairs. Only with the in-CTA plan
 // and where each CTA's count of every slice's pairs stays small (slices x requests <= 65,536).
 bool gemm8_persistent(const ScoreArgs& a, int64_t gy) {
   if (!a.plan_local || gy * a.rows.num_requests > 65536) return false;
-  const char* e = ::indexcp::detail::knob_env("INDEXCP_SCORE_G8_PERSISTENT");
-  return !(e && std::strcmp(e, "0") == 0);
+  return on_unless_zero(::indexcp::detail::knob_env("INDEXCP_SCORE_G8_PERSISTENT"));
 }
 
 // Whether the persistent GEMM-shaped scorer plans a share's second segment in its prologue, so that
 // neither role waits for the other at the switch (INDEXCP_SCORE_G8_PLAN_AHEAD, 1 by default; the
 // same bits either way: bench/NOTES.md v31).
 bool gemm8_plan_ahead() {
-  const char* e = ::indexcp::detail::knob_env("INDEXCP_SCORE_G8_PLAN_AHEAD");
-  return !(e && std::strcmp(e, "0") == 0);
+  return on_unless_zero(::indexcp::detail::knob_env("INDEXCP_SCORE_G8_PLAN_AHEAD"));
 }
 
 template <bool GATHER, bool NVFP4, bool F16, bool PROD = false>
@@ -527,8 +529,7 @@ void launch_gemm8(const ScoreArgs& a0, int64_t nvec_max, cudaStream_t stream) {
 // G8Form; the default, INDEXCP_SCORE_G8_PRODUCER=0 keeps the two-warpgroup form): the same bits
 // either way (bench/NOTES.md v25).
 bool gemm8_producer() {
-  const char* e = ::indexcp::detail::knob_env("INDEXCP_SCORE_G8_PRODUCER");
-  return !(e != nullptr && std::strcmp(e, "0") == 0);
+  return on_unless_zero(::indexcp::detail::knob_env("INDEXCP_SCORE_G8_PRODUCER"));
 }
 
 // Whether the GEMM-shaped scorer takes the E4M3 keys of a launch in its mode (m8: fp8_mma). fp8_mma:
@@ -541,13 +542,8 @@ bool gemm8_producer() {
 #endif
 bool gemm8_enabled(bool m8) {
   if (!INDEXCP_BUILD_SM90A || !INDEXCP_SCORE_WGMMA) return false;
-  if (m8) {
-    if (const char* e = ::indexcp::detail::knob_env("INDEXCP_SCORE_GEMM8"))
-      if (std::strcmp(e, "0") == 0) return false;
-  } else {
-    if (const char* e = ::indexcp::detail::knob_env("INDEXCP_SCORE_GEMM16"))
-      if (std::strcmp(e, "0") == 0) return false;
-  }
+  if (!on_unless_zero(m8 ? ::indexcp::detail::knob_env("INDEXCP_SCORE_GEMM8") : ::indexcp::detail::knob_env("INDEXCP_SCORE_GEMM16")))
+    return false;
   int dev = 0, major = 0, minor = 0;
   check(cudaGetDevice(&dev), "cudaGetDevice");
   check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "cudaDeviceGetAttribute");
