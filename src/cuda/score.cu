@@ -542,8 +542,8 @@ bool gemm8_producer() {
 #endif
 bool gemm8_enabled(bool m8) {
   if (!INDEXCP_BUILD_SM90A || !INDEXCP_SCORE_WGMMA) return false;
-  if (!on_unless_zero(m8 ? ::indexcp::detail::knob_env("INDEXCP_SCORE_GEMM8") : ::indexcp::detail::knob_env("INDEXCP_SCORE_GEMM16")))
-    return false;
+  const char* e = m8 ? ::indexcp::detail::knob_env("INDEXCP_SCORE_GEMM8") : ::indexcp::detail::knob_env("INDEXCP_SCORE_GEMM16");
+  if (!on_unless_zero(e)) return false;
   int dev = 0, major = 0, minor = 0;
   check(cudaGetDevice(&dev), "cudaGetDevice");
   check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "cudaDeviceGetAttribute");
